@@ -33,6 +33,8 @@ class LayoutGroups:
     tp_ranks: tuple[int, ...]
     dp_ranks: tuple[int, ...]
     pp_ranks: tuple[int, ...]
+    self_group: dist.ProcessGroup | None = None  # this rank alone (context parallel size 1)
+    embd_group: dist.ProcessGroup | None = None  # first + last pipeline stage (tied embeddings)
 
 
 class GroupCache:
@@ -59,10 +61,13 @@ class GroupCache:
                 f"layout {layout.short()} needs {layout.world_size} ranks, the world has {world}"
             )
         mine: dict[str, tuple[dist.ProcessGroup, tuple[int, ...]]] = {}
+        embd_groups = [[g[0], g[-1]] for g in layout.pp_groups()] if layout.pp > 1 else []
         for kind, all_groups in (
             ("tp", layout.tp_groups()),
             ("dp", layout.dp_groups()),
             ("pp", layout.pp_groups()),
+            ("self", [[r] for r in range(world)]),
+            ("embd", embd_groups),
         ):
             for ranks in all_groups:  # every rank creates every group, in the same order
                 group = self._group(ranks)
@@ -81,6 +86,8 @@ class GroupCache:
             tp_ranks=mine["tp"][1],
             dp_ranks=mine["dp"][1],
             pp_ranks=mine["pp"][1],
+            self_group=mine["self"][0],
+            embd_group=mine["embd"][0] if "embd" in mine else None,
         )
         self._groups[layout] = groups
         return groups

@@ -1,0 +1,252 @@
+"""Planner accuracy: predicted vs measured step time and peak memory of real megatron-core
+GPT training on the GPUs of one machine.
+
+Run (2 GPUs):   torchrun --nproc_per_node 2 bench/planner_accuracy.py [--out results.json]
+GPU only: megatron-core's schedules allocate on "cuda" unconditionally.
+
+Each configuration builds a megatron-core GPTModel with ds_stpar's layer spec (Megatron's
+linears for "megatron" TP, ring linears for "ring"), wraps it in Megatron's
+DistributedDataParallel with the distributed optimizer (= ZeRO-1 in the planner), and runs the
+canonical megatron-core step: ``get_forward_backward_func()`` (1F1B when PP > 1) then
+``optimizer.step()``. Step time is the median of the timed steps after warm-up; peak memory
+is ``torch.cuda.max_memory_allocated`` over the timed steps. Rank 0 prints a table of
+predicted vs measured with the relative errors and their medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    seq_len: int
+    global_batch: int
+    micro_batch: int
+    dp: int
+    tp: int
+    pp: int
+    tp_mode: str = "megatron"
+    recompute: str = "none"
+
+
+GPU_CASES = [
+    Case("gpt3-350m", 2048, 32, 4, dp=2, tp=1, pp=1),
+    Case("gpt3-1.3b", 2048, 16, 4, dp=2, tp=1, pp=1),
+    Case("gpt3-1.3b", 2048, 16, 4, dp=1, tp=2, pp=1),
+    Case("gpt3-1.3b", 4096, 16, 2, dp=1, tp=1, pp=2),
+    Case("gpt3-760m", 8192, 8, 1, dp=1, tp=2, pp=1),
+    Case("gpt3-125m", 4096, 32, 8, dp=2, tp=1, pp=1),
+    Case("gpt3-1.3b", 4096, 8, 1, dp=1, tp=2, pp=1, tp_mode="ring"),
+    Case("gpt3-1.3b", 8192, 8, 1, dp=1, tp=2, pp=1, recompute="full"),
+]
+
+
+def model_spec(name: str):
+    # Megatron-LM pads the vocabulary to a multiple of 128 x TP; 50257 -> 50304.
+    import dataclasses
+
+    from ds_stpar.config import MODEL_PRESETS
+
+    spec = MODEL_PRESETS[name]
+    return dataclasses.replace(spec, vocab_size=-(-spec.vocab_size // 256) * 256)
+
+
+def predict(case: Case, spec, gpu_name: str, world: int):
+    from ds_stpar.planner.cost import estimate
+
+    from ds_stpar.config import ClusterSpec, Layout, Strategy, TrainSpec, load_gpu
+
+    strategy = Strategy(
+        Layout(case.dp, case.tp, case.pp, case.tp_mode),
+        micro_batch=case.micro_batch,
+        zero=1,
+        recompute=case.recompute,
+        sequence_parallel=case.tp > 1,
+    )
+    cluster = ClusterSpec(load_gpu(gpu_name), num_gpus=world, gpus_per_node=world)
+    return estimate(spec, cluster, TrainSpec(case.seq_len, case.global_batch), strategy)
+
+
+def run_case(case: Case, device: torch.device, steps: int, warmup: int) -> dict:
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from ds_stpar.config import Layout, Strategy
+    from ds_stpar.integrations.megatron import transformer_config
+    from ds_stpar.layers.megatron_spec import get_gpt_block_stpar_spec
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=case.tp, pipeline_model_parallel_size=case.pp
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    spec = model_spec(case.model)
+    strategy = Strategy(
+        Layout(case.dp, case.tp, case.pp, case.tp_mode),
+        micro_batch=case.micro_batch,
+        recompute=case.recompute,
+        sequence_parallel=case.tp > 1,
+    )
+    config = transformer_config(spec, strategy, "bf16")
+    config.finalize_model_grads_func = finalize_model_grads
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_block_stpar_spec(config, case.tp_mode),
+        vocab_size=spec.vocab_size,
+        max_sequence_length=case.seq_len,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=spec.tied_embeddings,
+    ).to(device)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
+    )
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
+    config.no_sync_func = model.no_sync
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=1e-4, bf16=True, use_distributed_optimizer=True, clip_grad=1.0
+        ),
+        [model],
+    )
+    num_micro = case.global_batch // (case.micro_batch * case.dp)
+    tokens = torch.randint(0, spec.vocab_size, (case.micro_batch, case.seq_len + 1), device=device)
+    position_ids = torch.arange(case.seq_len, device=device).expand(case.micro_batch, -1)
+
+    def forward_step(data_iterator, module):
+        output = module(tokens[:, :-1], position_ids, None, labels=tokens[:, 1:])
+
+        def loss_func(per_token):
+            loss = per_token.float().mean()
+            return loss, {"loss": loss.detach()}
+
+        return output, loss_func
+
+    forward_backward = get_forward_backward_func()
+    times = []
+    for step in range(warmup + steps):
+        if step == warmup:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        model.zero_grad_buffer()
+        forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=None,
+            model=[model],
+            num_microbatches=num_micro,
+            seq_length=case.seq_len,
+            micro_batch_size=case.micro_batch,
+            forward_only=False,
+        )
+        optimizer.step()
+        torch.cuda.synchronize()
+        if step >= warmup:
+            times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    peak_t = torch.tensor([peak], device=device)
+    dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
+    del model, gpt, optimizer
+    gc.collect()
+    torch.cuda.empty_cache()
+    parallel_state.destroy_model_parallel()
+    return {"step_s": statistics.median(times), "peak_gib": peak_t.item()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--only", type=int, nargs="*", help="indices of cases to run")
+    parser.add_argument(
+        "--gpu", default=None, help="planner GPU preset (default: from the device name)"
+    )
+    parser.add_argument("--out", default=None, help="write the rows as JSON here (rank 0)")
+    args = parser.parse_args()
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/planner_accuracy.py needs CUDA GPUs")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl")
+    device = torch.device("cuda", local_rank)
+    world = dist.get_world_size()
+    gpu_name = args.gpu or ("h200-141g" if "H200" in torch.cuda.get_device_name() else "h100-80g")
+    cases = GPU_CASES
+    if args.only:
+        cases = [cases[i] for i in args.only]
+
+    rows = []
+    for case in cases:
+        if case.dp * case.tp * case.pp != world:
+            continue
+        try:
+            measured = run_case(case, device, args.steps, args.warmup)
+        except Exception:  # one failed case must not hide the others' numbers
+            if dist.get_rank() == 0:
+                print(f"FAILED {case}:\n{traceback.format_exc()}", flush=True)
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+            continue
+        pred = predict(case, model_spec(case.model), gpu_name, world)
+        row = {
+            **case.__dict__,
+            "measured_step_s": measured["step_s"],
+            "predicted_step_s": pred.step_time_s,
+            "measured_peak_gib": measured["peak_gib"],
+            "predicted_peak_gib": pred.peak_memory_gib,
+        }
+        rows.append(row)
+        if dist.get_rank() == 0:
+            print(json.dumps(row), flush=True)
+
+    if dist.get_rank() == 0 and rows:
+        print_table(rows, gpu_name)
+        if args.out:
+            with open(args.out, "w") as handle:
+                json.dump(rows, handle, indent=1)
+    dist.destroy_process_group()
+
+
+def print_table(rows: list[dict], gpu_name: str) -> None:
+    card = torch.cuda.get_device_name()
+    print(f"\nplanner accuracy on {card} (planner preset {gpu_name})")
+    head = "| model | seq | gbs | mbs | dp | tp | pp | mode | recompute | step s meas | pred | err | peak GiB meas | pred | err |"
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    t_err, m_err = [], []
+    for r in rows:
+        te = r["predicted_step_s"] / r["measured_step_s"] - 1
+        me = r["predicted_peak_gib"] / r["measured_peak_gib"] - 1
+        t_err.append(abs(te))
+        m_err.append(abs(me))
+        print(
+            f"| {r['model']} | {r['seq_len']} | {r['global_batch']} | {r['micro_batch']} | {r['dp']} | {r['tp']} | {r['pp']} "
+            f"| {r['tp_mode']} | {r['recompute']} | {r['measured_step_s']:.3f} | {r['predicted_step_s']:.3f} | {te:+.1%} "
+            f"| {r['measured_peak_gib']:.2f} | {r['predicted_peak_gib']:.2f} | {me:+.1%} |"
+        )
+    print(
+        f"median |error|: step time {statistics.median(t_err):.1%}, peak memory {statistics.median(m_err):.1%}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Build megatron-core GPT models from a :class:`~ds_stpar.config.ModelSpec` and a
+:class:`~ds_stpar.config.Strategy`, with explicit process groups.
+
+Hot switching keeps one model object per layout on the same ranks, so nothing here reads
+Megatron's global parallel state: each model gets a ``ProcessGroupCollection`` built from
+our :class:`~ds_stpar.parallel.LayoutGroups`, and its layers use those groups.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from ds_stpar.config import ModelSpec, Strategy, stage_layers
+from ds_stpar.layers.megatron_spec import get_gpt_block_stpar_spec
+from ds_stpar.parallel import LayoutGroups
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def transformer_config(
+    model: ModelSpec, strategy: Strategy, dtype: str = "bf16", **overrides
+) -> TransformerConfig:
+    """Megatron TransformerConfig for ``model`` under ``strategy`` (dropout off by default)."""
+    layout = strategy.layout
+    params_dtype = _DTYPES[dtype]
+    recompute = {"none": {}, "selective": {"recompute_granularity": "selective"}}.get(
+        strategy.recompute,
+        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+    )
+    layers = stage_layers(model.num_layers, strategy)
+    kwargs = dict(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.kv_channels,
+        ffn_hidden_size=model.ffn_hidden_size,
+        gated_linear_unit=model.gated,
+        activation_func=torch.nn.functional.silu if model.gated else torch.nn.functional.gelu,
+        normalization="RMSNorm" if model.normalization == "rmsnorm" else "LayerNorm",
+        add_bias_linear=model.add_bias_linear,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        sequence_parallel=strategy.sequence_parallel
+        or (layout.tp > 1 and layout.tp_mode != "megatron"),
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=dtype == "bf16",
+        fp16=dtype == "fp16",
+        use_cpu_initialization=not torch.cuda.is_available(),
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        **recompute,
+    )
+    if layout.pp > 1 and (strategy.first_stage_layers or strategy.last_stage_layers):
+        kwargs["num_layers_in_first_pipeline_stage"] = layers[0]
+        kwargs["num_layers_in_last_pipeline_stage"] = layers[-1]
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def process_groups(groups: LayoutGroups) -> ProcessGroupCollection:
+    """Megatron's group collection for one layout (TP, PP, DP and their combinations)."""
+    pgs = ProcessGroupCollection()
+    pgs.tp = groups.tp_group
+    pgs.pp = groups.pp_group
+    pgs.dp = groups.dp_group
+    pgs.cp = groups.self_group
+    pgs.dp_cp = groups.dp_group
+    pgs.embd = groups.embd_group
+    return pgs
+
+
+def build_gpt(
+    model: ModelSpec,
+    strategy: Strategy,
+    groups: LayoutGroups,
+    dtype: str = "bf16",
+    seq_len: int = 0,
+) -> GPTModel:
+    """This rank's pipeline stage of a GPT model with ds_stpar's layer spec."""
+    config = transformer_config(model, strategy, dtype)
+    pp_rank, pp = groups.pp_index, groups.layout.pp
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_block_stpar_spec(
+            config, groups.layout.tp_mode, pp_rank=pp_rank
+        ),
+        vocab_size=model.vocab_size,
+        max_sequence_length=max(seq_len, model.max_position_embeddings),
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == pp - 1,
+        share_embeddings_and_output_weights=model.tied_embeddings,
+        position_embedding_type="rope"
+        if model.position_embedding == "rope"
+        else "learned_absolute",
+        pg_collection=process_groups(groups),
+    )

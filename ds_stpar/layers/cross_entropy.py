@@ -1,0 +1,68 @@
+"""Cross-entropy over vocabulary-parallel logits, with an explicit TP group.
+
+Megatron's ``vocab_parallel_cross_entropy`` reads the global TP group; hot switching needs
+the group of the layout in use. Rank r of a TP group of size t holds logits
+``z[..., r V/t : (r+1) V/t]``. Per token:
+
+    loss = log(sum_v exp(z_v - m)) - (z_y - m),   m = max_v z_v
+
+where the max, the sum of exponentials and the target logit are each one all-reduce over the
+group. Gradient: ``softmax(z) - onehot(y)`` on each rank's slice. Tokens whose label is
+``ignore_index`` get loss 0 and no gradient. Returns per-token losses (no reduction): the
+caller divides the sum by the mini-batch's target-token count (see seqbucket.loss).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """forward: per-token CE from vocab-sharded logits; backward: local softmax - onehot."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, labels: Tensor, group, ignore_index: int) -> Tensor:
+        logits = logits.float()
+        world = dist.get_world_size(group) if group is not None else 1
+        rank = dist.get_rank(group) if group is not None else 0
+        vocab_local = logits.shape[-1]
+        start = rank * vocab_local
+
+        logits_max = logits.max(dim=-1).values
+        if world > 1:
+            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - logits_max.unsqueeze(-1)
+
+        valid = labels != ignore_index
+        local_target = labels - start
+        in_range = valid & (local_target >= 0) & (local_target < vocab_local)
+        index = torch.where(in_range, local_target, torch.zeros_like(local_target))
+        target_logit = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1) * in_range
+
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        if world > 1:
+            dist.all_reduce(target_logit, group=group)
+            dist.all_reduce(sum_exp, group=group)
+        loss = (sum_exp.log() - target_logit) * valid
+
+        softmax = exp / sum_exp.unsqueeze(-1)
+        ctx.save_for_backward(softmax, index, in_range, valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor):
+        softmax, index, in_range, valid = ctx.saved_tensors
+        grad = softmax
+        grad.scatter_add_(-1, index.unsqueeze(-1), -in_range.unsqueeze(-1).to(grad.dtype))
+        grad = grad * (grad_loss * valid).unsqueeze(-1)
+        return grad, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: Tensor, labels: Tensor, group: dist.ProcessGroup | None = None, ignore_index: int = -100
+) -> Tensor:
+    """Per-token cross-entropy (fp32) of vocab-sharded ``logits`` [..., V/t] against ``labels`` [...]."""
+    return _VocabParallelCrossEntropy.apply(logits, labels, group, ignore_index)

@@ -1,0 +1,119 @@
+"""Megatron-core building blocks that the stock local spec lacks without Apex/TE.
+
+- :class:`SDPACoreAttention` — core attention through ``torch.nn.functional.
+  scaled_dot_product_attention``: flash/memory-efficient kernels on GPU (no [b, a, s, s]
+  score tensor is kept, so activation memory loses Korthikanti's ``5as/h`` term), the math
+  kernel on CPU. Packed rows (``PackedSeqParams`` with ``cu_seqlens_q``) are attended one
+  document at a time, so no token attends across a document boundary.
+- :class:`SequenceParallelNorm` — LayerNorm/RMSNorm that accepts ``sequence_parallel=True``.
+  Megatron's ``WrappedTorchNorm`` refuses it. Under SP every TP rank normalises its own s/t
+  tokens, so the norm weight gradient is a partial sum: the ``sequence_parallel`` attribute
+  on the parameters makes Megatron's ``finalize_model_grads`` all-reduce it over TP.
+
+Shapes follow Megatron: queries [s, b, heads/t, d], keys/values [s, b, groups/t, d], output
+[s, b, heads/t * d].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch import Tensor
+
+
+class SDPACoreAttention(MegatronModule):
+    """Causal attention via SDPA; document-masked when given packed sequence params."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str = "self",
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+        **unused,
+    ) -> None:
+        super().__init__(config=config)
+        if config.context_parallel_size > 1:
+            raise ValueError("SDPACoreAttention does not implement context parallelism")
+        self.attn_mask_type = attn_mask_type
+        self.softmax_scale = softmax_scale
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> Tensor:
+        if attention_bias is not None:
+            raise ValueError("SDPACoreAttention does not take an attention bias")
+        seq, batch, heads, dim = query.shape
+        # [s, b, n, d] -> [b, n, s, d]; GQA: SDPA broadcasts groups with enable_gqa
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        dropout = self.dropout if self.training else 0.0
+        gqa = k.shape[1] != heads
+        if packed_seq_params is not None:
+            bounds = packed_seq_params.cu_seqlens_q.tolist()
+            parts = [
+                F.scaled_dot_product_attention(
+                    q[:, :, a:b],
+                    k[:, :, a:b],
+                    v[:, :, a:b],
+                    dropout_p=dropout,
+                    is_causal=True,
+                    scale=self.softmax_scale,
+                    enable_gqa=gqa,
+                )
+                for a, b in zip(bounds[:-1], bounds[1:])
+                if b > a
+            ]
+            out = torch.cat(parts, dim=2)
+        elif attention_mask is not None and self.attn_mask_type != AttnMaskType.causal:
+            # Megatron masks are True where attention is NOT allowed; SDPA wants the opposite.
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=~attention_mask,
+                dropout_p=dropout,
+                scale=self.softmax_scale,
+                enable_gqa=gqa,
+            )
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout, is_causal=True, scale=self.softmax_scale, enable_gqa=gqa
+            )
+        return out.permute(2, 0, 1, 3).reshape(seq, batch, heads * dim)
+
+
+class SequenceParallelNorm:
+    """``config.normalization`` (LayerNorm or RMSNorm) over the last dim, SP-aware.
+
+    Like Megatron's ``WrappedTorchNorm`` it returns a plain torch norm (so parameter names
+    match the local spec: ``input_layernorm.weight``), but it accepts sequence parallelism.
+    """
+
+    def __new__(
+        cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused
+    ) -> torch.nn.Module:
+        if config.normalization == "LayerNorm":
+            norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+        elif config.normalization == "RMSNorm":
+            norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+        else:
+            raise ValueError(f"unsupported normalization {config.normalization!r}")
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm

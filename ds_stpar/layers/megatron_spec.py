@@ -1,0 +1,121 @@
+"""Megatron-core spec for GPT layers built from ds_stpar's layers.
+
+``get_gpt_layer_stpar_spec(tp_mode=...)`` is what Megatron-LM's ``--spec
+ds_stpar.layers.megatron_spec get_gpt_layer_stpar_spec`` calls (with no arguments the mode
+comes from ``DS_STPAR_TP_MODE``, default ``ring``). The layer structure is Megatron's own
+(``TransformerLayer``, ``SelfAttention``, ``MLP``, bias-dropout-add; so the per-rank QKV
+ordering and the GLU interleaving of fc1 are Megatron's); :class:`StparSpecProvider` swaps:
+
+- linears: :class:`~ds_stpar.layers.linear.TemporalColumnParallelLinear` /
+  :class:`~ds_stpar.layers.linear.TemporalRowParallelLinear` in the chosen mode, or
+  Megatron's ColumnParallelLinear/RowParallelLinear for ``tp_mode="megatron"``;
+- core attention: SDPA (flash on GPU; document masking for packed rows);
+- norms: LayerNorm/RMSNorm that accept sequence parallelism (ring and Cannon layers exchange
+  activations in Megatron's sequence-parallel layout, so such models run with SP on).
+
+With a layer spec alone, Megatron builds the block's final norm from its own default (a
+torch norm that refuses SP when neither Apex nor Transformer Engine is installed), so models
+built in-process should pass :func:`get_gpt_block_stpar_spec` (layers + final norm) as
+``GPTModel(transformer_layer_spec=...)``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from ds_stpar.config import TP_MODES
+from ds_stpar.errors import ConfigError
+from ds_stpar.layers.megatron_modules import SDPACoreAttention, SequenceParallelNorm
+
+
+class StparSpecProvider(LocalSpecProvider):
+    """Megatron's local backend with ds_stpar linears, SDPA attention and SP-capable norms."""
+
+    def __init__(self, tp_mode: str = "ring") -> None:
+        if tp_mode not in TP_MODES:
+            raise ConfigError(f"tp_mode must be one of {TP_MODES}, got {tp_mode!r}")
+        self.tp_mode = tp_mode
+
+    def column_parallel_linear(self) -> type | ModuleSpec:
+        if self.tp_mode == "megatron":
+            return ColumnParallelLinear
+        from ds_stpar.layers.linear import TemporalColumnParallelLinear
+
+        return ModuleSpec(module=TemporalColumnParallelLinear, params={"tp_mode": self.tp_mode})
+
+    def row_parallel_linear(self) -> type | ModuleSpec:
+        if self.tp_mode == "megatron":
+            return RowParallelLinear
+        from ds_stpar.layers.linear import TemporalRowParallelLinear
+
+        return ModuleSpec(module=TemporalRowParallelLinear, params={"tp_mode": self.tp_mode})
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
+        return SequenceParallelNorm
+
+    def core_attention(self) -> type:
+        return SDPACoreAttention
+
+
+def get_gpt_layer_stpar_spec(tp_mode: str | None = None) -> ModuleSpec:
+    """A GPT transformer-layer spec with ds_stpar modules (see the module docstring).
+
+    The norm type (LayerNorm/RMSNorm) follows ``TransformerConfig.normalization``.
+    """
+    backend = StparSpecProvider(tp_mode or os.environ.get("DS_STPAR_TP_MODE", "ring"))
+    norm = backend.layer_norm()
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=norm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=backend.column_parallel_linear(),
+                    core_attention=backend.core_attention(),
+                    linear_proj=backend.row_parallel_linear(),
+                    q_layernorm=IdentityOp,
+                    k_layernorm=IdentityOp,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=norm,
+            mlp=ModuleSpec(
+                module=MLP,
+                submodules=MLPSubmodules(
+                    linear_fc1=backend.column_parallel_linear(),
+                    linear_fc2=backend.row_parallel_linear(),
+                ),
+            ),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def get_gpt_block_stpar_spec(
+    config: TransformerConfig,
+    tp_mode: str | None = None,
+    pp_rank: int | None = None,
+    vp_stage: int | None = None,
+) -> TransformerBlockSubmodules:
+    """The whole decoder block of one pipeline stage: ds_stpar layers plus an SP-capable final norm."""
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(
+        layer_specs=[get_gpt_layer_stpar_spec(tp_mode)] * layers, layer_norm=SequenceParallelNorm
+    )
