@@ -1,8 +1,10 @@
 """Planner accuracy: predicted vs measured step time and peak memory of real megatron-core
 GPT training on the GPUs of one machine.
 
-Run (2 GPUs):   torchrun --nproc_per_node 2 bench/planner_accuracy.py [--out results.json]
-GPU only: megatron-core's schedules allocate on "cuda" unconditionally.
+Measure (2 GPUs):  torchrun --nproc_per_node 2 bench/planner_accuracy.py --out measured.json
+Report (any machine, re-predicts from saved measurements):
+                   python bench/planner_accuracy.py --report measured.json
+Measuring needs CUDA: megatron-core's schedules allocate on "cuda" unconditionally.
 
 Each configuration builds a megatron-core GPTModel with ds_stpar's layer spec (Megatron's
 linears for "megatron" TP, ring linears for "ring"), wraps it in Megatron's
@@ -178,8 +180,15 @@ def main() -> None:
     parser.add_argument(
         "--gpu", default=None, help="planner GPU preset (default: from the device name)"
     )
-    parser.add_argument("--out", default=None, help="write the rows as JSON here (rank 0)")
+    parser.add_argument("--out", default=None, help="write the measured rows as JSON here (rank 0)")
+    parser.add_argument(
+        "--report", default=None, help="print the table for saved measurements and exit"
+    )
     args = parser.parse_args()
+    if args.report:
+        with open(args.report) as handle:
+            print_table(json.load(handle))
+        return
 
     if not torch.cuda.is_available():
         raise SystemExit("bench/planner_accuracy.py needs CUDA GPUs")
@@ -206,42 +215,47 @@ def main() -> None:
 
             parallel_state.destroy_model_parallel()
             continue
-        pred = predict(case, model_spec(case.model), gpu_name, world)
         row = {
             **case.__dict__,
-            "measured_step_s": measured["step_s"],
-            "predicted_step_s": pred.step_time_s,
-            "measured_peak_gib": measured["peak_gib"],
-            "predicted_peak_gib": pred.peak_memory_gib,
+            "card": torch.cuda.get_device_name(),
+            "gpu": gpu_name,
+            "world": world,
+            **measured,
         }
         rows.append(row)
         if dist.get_rank() == 0:
             print(json.dumps(row), flush=True)
 
     if dist.get_rank() == 0 and rows:
-        print_table(rows, gpu_name)
         if args.out:
             with open(args.out, "w") as handle:
                 json.dump(rows, handle, indent=1)
+        try:
+            print_table(rows)
+        except ImportError as err:  # measuring does not need the planner; --report re-predicts
+            print(f"no prediction table: {err}")
     dist.destroy_process_group()
 
 
-def print_table(rows: list[dict], gpu_name: str) -> None:
-    card = torch.cuda.get_device_name()
-    print(f"\nplanner accuracy on {card} (planner preset {gpu_name})")
+def print_table(rows: list[dict]) -> None:
+    print(
+        f"\nplanner accuracy on {rows[0]['world']} x {rows[0]['card']} (planner preset {rows[0]['gpu']})"
+    )
     head = "| model | seq | gbs | mbs | dp | tp | pp | mode | recompute | step s meas | pred | err | peak GiB meas | pred | err |"
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     t_err, m_err = [], []
     for r in rows:
-        te = r["predicted_step_s"] / r["measured_step_s"] - 1
-        me = r["predicted_peak_gib"] / r["measured_peak_gib"] - 1
+        case = Case(**{k: r[k] for k in Case.__dataclass_fields__})
+        pred = predict(case, model_spec(case.model), r["gpu"], r["world"])
+        te = pred.step_time_s / r["step_s"] - 1
+        me = pred.peak_memory_gib / r["peak_gib"] - 1
         t_err.append(abs(te))
         m_err.append(abs(me))
         print(
-            f"| {r['model']} | {r['seq_len']} | {r['global_batch']} | {r['micro_batch']} | {r['dp']} | {r['tp']} | {r['pp']} "
-            f"| {r['tp_mode']} | {r['recompute']} | {r['measured_step_s']:.3f} | {r['predicted_step_s']:.3f} | {te:+.1%} "
-            f"| {r['measured_peak_gib']:.2f} | {r['predicted_peak_gib']:.2f} | {me:+.1%} |"
+            f"| {r['model']} | {r['seq_len']} | {r['global_batch']} | {r['micro_batch']} | {r['dp']} | {r['tp']} "
+            f"| {r['pp']} | {r['tp_mode']} | {r['recompute']} | {r['step_s']:.3f} | {pred.step_time_s:.3f} "
+            f"| {te:+.1%} | {r['peak_gib']:.2f} | {pred.peak_memory_gib:.2f} | {me:+.1%} |"
         )
     print(
         f"median |error|: step time {statistics.median(t_err):.1%}, peak memory {statistics.median(m_err):.1%}"
