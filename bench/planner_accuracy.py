@@ -88,6 +88,7 @@ def run_case(case: Case, device: torch.device, steps: int, warmup: int) -> dict:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.module import Float16Module
 
     from ds_stpar.config import Layout, Strategy
     from ds_stpar.integrations.megatron import transformer_config
@@ -115,6 +116,7 @@ def run_case(case: Case, device: torch.device, steps: int, warmup: int) -> dict:
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=spec.tied_embeddings,
     ).to(device)
+    gpt = Float16Module(config, gpt)  # bf16 weights/activations, fp32 logits, as Megatron-LM
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
     )
@@ -208,13 +210,9 @@ def main() -> None:
             continue
         try:
             measured = run_case(case, device, args.steps, args.warmup)
-        except Exception:  # one failed case must not hide the others' numbers
-            if dist.get_rank() == 0:
-                print(f"FAILED {case}:\n{traceback.format_exc()}", flush=True)
-            from megatron.core import parallel_state
-
-            parallel_state.destroy_model_parallel()
-            continue
+        except Exception:  # the peer rank may now hang in a collective: stop the run
+            print(f"FAILED {case}:\n{traceback.format_exc()}", flush=True)
+            os._exit(1)
         row = {
             **case.__dict__,
             "card": torch.cuda.get_device_name(),

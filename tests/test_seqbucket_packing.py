@@ -1,0 +1,260 @@
+"""Packing, document masks and the token loss, against independent references.
+
+The model check uses a randomly initialised transformers LlamaForCausalLM in float64: the
+loss of each document inside a packed row must equal the loss of that document run alone.
+"""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ds_stpar.seqbucket.corpus import stdlib_documents
+from ds_stpar.seqbucket.loss import count_targets, masked_token_loss, token_loss
+from ds_stpar.seqbucket.packing import (
+    IGNORE_INDEX,
+    Piece,
+    RowPlan,
+    additive_mask,
+    block_causal_mask,
+    collate,
+    pack_best_fit,
+    pack_row,
+)
+from ds_stpar.seqbucket.tokenize import BYTE_PAD_ID, ByteTokenizer
+
+
+@pytest.fixture(scope="module")
+def docs():
+    """Byte-level ids of 60 standard-library files (lengths 98 .. ~60 K)."""
+    return [ByteTokenizer().encode(d["text"]) for d in stdlib_documents(max_files=60)]
+
+
+def reference_best_fit(lengths, budget):
+    """Textbook best-fit-decreasing with a linear scan, returning rows of piece indices."""
+    rows, room = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        fits = [r for r in range(len(rows)) if room[r] >= lengths[i]]
+        if fits:
+            r = min(fits, key=lambda r: (room[r], r))
+        else:
+            rows.append([])
+            room.append(budget)
+            r = len(rows) - 1
+        rows[r].append(i)
+        room[r] -= lengths[i]
+    return rows
+
+
+def test_best_fit_decreasing_matches_reference_and_respects_budget():
+    rng = np.random.default_rng(1)
+    lengths = np.minimum(rng.lognormal(4.0, 1.2, 400).astype(int) + 1, 512).tolist()
+    pieces = [Piece(doc=i, start=0, length=n, final=True) for i, n in enumerate(lengths)]
+    rows = pack_best_fit(pieces, 512)
+    assert [[p.doc for p in row.pieces] for row in rows] == reference_best_fit(lengths, 512)
+    assert all(row.length == 512 and row.num_tokens <= 512 for row in rows)
+    assert sorted(p.doc for row in rows for p in row.pieces) == list(range(400))
+    assert len(rows) <= 11 / 9 * np.ceil(sum(lengths) / 512) + 1  # BFD's worst-case bound
+    with pytest.raises(ValueError, match="does not fit"):
+        pack_best_fit([Piece(0, 0, 513, True)], 512)
+    with pytest.raises(ValueError, match="overflow"):
+        RowPlan(8, (Piece(0, 0, 5, True), Piece(1, 0, 4, True)))
+
+
+def test_packed_row_layout_labels_positions_and_boundaries():
+    docs = {7: np.arange(100, 110), 3: np.arange(200, 204), 9: np.arange(300, 320)}
+    row = RowPlan(
+        24, (Piece(7, 0, 10, True), Piece(9, 5, 6, False), Piece(3, 0, 4, True))
+    )  # 20 tokens + 4 pad
+    packed = pack_row(row, docs.__getitem__, pad_id=BYTE_PAD_ID)
+    I = IGNORE_INDEX
+    assert packed.input_ids.tolist() == (
+        list(range(100, 110)) + list(range(305, 311)) + [200, 201, 202, 203] + [BYTE_PAD_ID] * 4
+    )
+    assert packed.labels.tolist() == (
+        list(range(101, 110))
+        + [I]  # document end: no target
+        + list(range(306, 312))  # a chunk that does not end its document: true next token
+        + [201, 202, 203, I]
+        + [I] * 4  # padding
+    )
+    assert packed.position_ids.tolist() == list(range(10)) + list(range(6)) + list(range(4)) * 2
+    assert packed.cu_seqlens.tolist() == [0, 10, 16, 20, 24]
+    assert packed.cu_seqlens.dtype == torch.int32
+    assert packed.num_targets == row.num_targets == 9 + 6 + 3
+    empty = pack_row(RowPlan(5), docs.__getitem__, pad_id=0)
+    assert empty.labels.tolist() == [I] * 5 and empty.cu_seqlens.tolist() == [0, 5]
+
+
+def test_block_causal_mask_and_batch_cu_seqlens():
+    cu = torch.tensor([0, 3, 4, 7], dtype=torch.int32)
+    mask = block_causal_mask(cu, 7)
+    segment = [0, 0, 0, 1, 2, 2, 2]
+    expected = [[segment[i] == segment[j] and j <= i for j in range(7)] for i in range(7)]
+    assert mask.dtype == torch.bool and mask.tolist() == expected
+    add = additive_mask(mask, torch.float32)
+    assert add[mask].eq(0).all() and add[~mask].eq(torch.finfo(torch.float32).min).all()
+
+    docs = {0: np.arange(5), 1: np.arange(3)}
+    rows = [
+        RowPlan(7, (Piece(0, 0, 5, True),)),
+        RowPlan(7, (Piece(1, 0, 3, True), Piece(0, 0, 2, False))),
+    ]
+    batch = collate(rows, docs.__getitem__, pad_id=9)
+    assert batch.input_ids.shape == (2, 7)
+    assert batch.cu_seqlens.tolist() == [0, 5, 7, 10, 12, 14]
+    assert batch.max_seqlen == 5
+    assert batch.num_targets == 4 + 2 + 2
+    masks = batch.attention_mask()
+    assert masks.shape == (2, 1, 7, 7)
+    for r in range(2):
+        assert torch.equal(masks[r, 0], block_causal_mask(batch.rows[r].cu_seqlens, 7))
+    assert batch.attention_mask(torch.float64).dtype == torch.float64
+    with pytest.raises(ValueError, match="differ in length"):
+        collate([RowPlan(7), RowPlan(8)], docs.__getitem__, 0)
+
+
+def _llama(attn_implementation: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=ByteTokenizer.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        attn_implementation=attn_implementation,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(torch.float64).eval()
+
+
+def _alone_loss(model, doc: np.ndarray, piece: Piece) -> torch.Tensor:
+    """The piece as its own sequence: summed cross-entropy of its targets."""
+    x = torch.as_tensor(doc[piece.start : piece.start + piece.length], dtype=torch.long)
+    y = torch.full_like(x, IGNORE_INDEX)
+    y[: piece.num_targets] = torch.as_tensor(
+        doc[piece.start + 1 : piece.start + 1 + piece.num_targets], dtype=torch.long
+    )
+    logits = model(input_ids=x[None], use_cache=False).logits
+    return F.cross_entropy(logits[0], y, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+# float64 throughout. Inside a segment the packed run performs the same per-token arithmetic
+# as the document alone; masked scores get exactly zero weight (bool mask, or -1.8e308 added
+# then exp underflows to 0). Only matmul blocking over different shapes may reorder sums:
+# ~1e-15 relative. 1e-10 leaves room for that, while one token attending across a boundary
+# moves a document's loss by ~1e-4 relative (checked below: the plain causal mask fails).
+REL_TOL = 1e-10
+
+
+@pytest.mark.parametrize(
+    "impl, how", [("sdpa", "bool"), ("eager", "additive"), ("sdpa", "position_ids")]
+)
+def test_packed_loss_equals_documents_alone_llama(docs, impl, how):
+    model = _llama(impl)
+    lengths = np.array([len(d) for d in docs])
+    short = [int(i) for i in np.argsort(lengths, kind="stable")[:3]]
+    long = int(np.argmax(lengths))
+    rows = [  # three whole documents, two chunks of a long one (one mid-document), padding
+        RowPlan(
+            400,
+            (
+                Piece(short[0], 0, int(lengths[short[0]]), True),
+                Piece(long, 0, 60, False),
+                Piece(short[1], 0, int(lengths[short[1]]), True),
+            ),
+        ),
+        RowPlan(
+            400, (Piece(long, 500, 200, False), Piece(short[2], 0, int(lengths[short[2]]), True))
+        ),
+    ]
+    batch = collate(rows, docs.__getitem__, BYTE_PAD_ID)
+    kwargs = {"position_ids": batch.position_ids, "use_cache": False}
+    if how != "position_ids":  # position_ids alone: transformers derives the packed mask
+        kwargs["attention_mask"] = batch.attention_mask(
+            torch.float64 if how == "additive" else None
+        )
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, **kwargs).logits
+        leaky = model(input_ids=batch.input_ids, use_cache=False).logits  # plain causal
+        checked = 0
+        for r, row in enumerate(batch.rows):
+            for k, piece in enumerate(row.pieces):
+                lo, hi = int(row.cu_seqlens[k]), int(row.cu_seqlens[k + 1])
+                packed = token_loss(logits[r : r + 1, lo:hi], row.labels[None, lo:hi], 1)
+                alone = _alone_loss(model, docs[piece.doc], piece)
+                assert abs(packed - alone) <= REL_TOL * abs(alone), (
+                    r,
+                    k,
+                    float(packed),
+                    float(alone),
+                )
+                if lo > 0:  # a later segment sees earlier ones under a plain causal mask
+                    wrong = token_loss(leaky[r : r + 1, lo:hi], row.labels[None, lo:hi], 1)
+                    assert abs(wrong - alone) > 1e-6 * abs(alone)
+                checked += 1
+            row_loss = token_loss(logits[r : r + 1], row.labels[None], 1)
+            pieces_alone = sum(_alone_loss(model, docs[p.doc], p) for p in row.pieces)
+            assert abs(row_loss - pieces_alone) <= REL_TOL * abs(pieces_alone)
+    assert checked == 5
+
+
+def test_token_loss_layouts_and_reference():
+    torch.manual_seed(3)
+    b, s, V = 3, 5, 11
+    logits = torch.randn(b, s, V, dtype=torch.float64)
+    labels = torch.randint(0, V, (b, s))
+    labels[0, 4] = labels[2, :2] = IGNORE_INDEX
+    n = int(count_targets(labels))
+    assert n == 12
+    ref = 0.0
+    for i in range(b):
+        for j in range(s):
+            if labels[i, j] != IGNORE_INDEX:
+                row = logits[i, j]
+                ref += float(torch.logsumexp(row, 0) - row[labels[i, j]])
+    loss = token_loss(logits, labels, n)
+    assert abs(float(loss) - ref / n) <= 1e-14 * ref / n  # float64, 12 terms
+    assert torch.equal(
+        token_loss(logits.transpose(0, 1).contiguous(), labels, n, seq_first=True), loss
+    )
+    half = logits.to(torch.bfloat16)
+    assert torch.equal(token_loss(half, labels, n), token_loss(half.float(), labels, n))
+    assert token_loss(half, labels, n).dtype == torch.float32
+    per_token = F.cross_entropy(
+        logits.reshape(-1, V), labels.clamp(min=0).reshape(-1), reduction="none"
+    )
+    assert torch.allclose(
+        masked_token_loss(per_token.view(b, s), labels, n), loss, rtol=1e-15, atol=0
+    )
+    with pytest.raises(ValueError, match="do not match"):
+        token_loss(logits, labels, n, seq_first=True)
+
+
+def test_micro_batch_losses_sum_to_the_mini_batch_mean():
+    """Whatever the split into micro-batches, the sum equals the mean over all targets."""
+    torch.manual_seed(4)
+    V = 7
+    logits = torch.randn(10, 6, V, dtype=torch.float64)
+    labels = torch.randint(0, V, (10, 6))
+    labels[torch.rand(10, 6) < 0.3] = IGNORE_INDEX
+    labels[7] = IGNORE_INDEX  # a zero-weight (padding) row
+    mean = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), ignore_index=IGNORE_INDEX)
+    n = int(count_targets(labels))
+    for splits in ([10], [1, 9], [3, 3, 4], [2] * 5):
+        bounds = np.cumsum([0] + splits)
+        total = sum(
+            token_loss(logits[a:b], labels[a:b], n) for a, b in zip(bounds[:-1], bounds[1:])
+        )
+        # float64 sums of ~40 terms, regrouped: a few ulps
+        assert abs(float(total - mean)) <= 1e-13 * float(mean)
+        per_mb_mean = sum(
+            F.cross_entropy(logits[a:b].reshape(-1, V), labels[a:b].reshape(-1)) / len(splits)
+            for a, b in zip(bounds[:-1], bounds[1:])
+            if (labels[a:b] != IGNORE_INDEX).any()
+        )
+        if len(splits) > 1:  # the HotSPa-style per-micro-batch mean is not the token mean
+            assert abs(float(per_mb_mean - mean)) > 1e-6
