@@ -92,6 +92,7 @@ class ModelSpec:
     tied_embeddings: bool = True
     position_embedding: str = "learned"  # "learned" adds max_position_embeddings x h params
     max_position_embeddings: int = 2048
+    dropout: float = 0.0  # hidden and attention dropout; > 0 keeps 1-byte masks (planner memory)
 
     def __post_init__(self) -> None:
         if not self.ffn_hidden_size:
@@ -129,6 +130,8 @@ class ModelSpec:
             raise ConfigError(
                 f"model {self.name}: normalization must be layernorm or rmsnorm, got {self.normalization!r}"
             )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model {self.name}: dropout must be in [0, 1), got {self.dropout}")
         if self.position_embedding not in ("learned", "rope"):
             raise ConfigError(
                 f"model {self.name}: position_embedding must be learned or rope, got {self.position_embedding!r}"
@@ -203,6 +206,7 @@ class ModelSpec:
                     tied_embeddings=data.get("tie_word_embeddings", True),
                     position_embedding="learned",
                     max_position_embeddings=data.get("n_positions", 1024),
+                    dropout=data.get("resid_pdrop", 0.1),
                 )
             if model_type in ("llama", "mistral", "qwen2"):
                 heads = data["num_attention_heads"]
@@ -222,6 +226,7 @@ class ModelSpec:
                     tied_embeddings=data.get("tie_word_embeddings", False),
                     position_embedding="rope",
                     max_position_embeddings=data.get("max_position_embeddings", 4096),
+                    dropout=data.get("attention_dropout", 0.0),
                 )
         except KeyError as err:
             raise ConfigError(

@@ -1,0 +1,573 @@
+"""The planner's analytical cost model: step time and peak memory per GPU of one strategy.
+
+Pure functions of (model, cluster, train, strategy, calibration): no process group, no torch.
+One step of global batch B sequences of s tokens runs m = B / (d b) micro-batches of b
+sequences through p pipeline stages; per micro-batch and stage the time is
+
+    t_i = layers_i x (block forward + backward + recompute + exposed TP communication)
+          + embedding (first stage) + LM head and loss (last stage) + pipeline P2P,
+
+the block costs coming from :mod:`~ds_stpar.planner.compute` (GEMMs by shape, attention,
+memory-bound kernels) and :mod:`~ds_stpar.planner.tensor_parallel` (Megatron, ring, Cannon).
+The pipeline runs (planner.md "Pipeline", with the slowest stage setting the pace)
+
+    T_pipe = m max_i t_i + (sum_i t_i - max_i t_i) / v
+
+which is (m + p - 1) t for p equal stages under 1F1B, bubble (p - 1)/m, and m t + (p - 1) t / v
+interleaved, bubble (p - 1)/(v m). The step adds the slowest stage's exposed DP gradient
+reduction (per ZeRO stage, overlapped with backward) and its optimizer update (memory-bound
+over the optimizer state). Memory per GPU is the largest stage's model states (per ZeRO
+stage), in-flight activations, transient buffers and allocator headroom (:mod:`memory`).
+
+FLOPs (planner.md "FLOPs"): model FLOPs per step = 3 x forward, with forward per token
+2 x (weights of the four linears) + 4 s a d_h per layer (full s^2, the 72-formula) and 2 h V
+for the LM head; hardware FLOPs add what recompute runs again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from ds_stpar.config import (
+    ClusterSpec,
+    GiB,
+    Layout,
+    ModelSpec,
+    Strategy,
+    TrainSpec,
+    stage_layers,
+)
+from ds_stpar.errors import ConfigError
+from ds_stpar.planner import memory as mem
+from ds_stpar.planner.comm import Link, Placement, placement
+from ds_stpar.planner.compute import Phase, Speed, attention_core, block_elementwise, embedding
+from ds_stpar.planner.compute import lm_head as lm_head_time
+from ds_stpar.planner.profile import Calibration
+from ds_stpar.planner.tensor_parallel import (
+    BlockTP,
+    cannon_block,
+    head_seqs,
+    megatron_block,
+    ring_block,
+    sharded_boundary,
+)
+
+# --------------------------------------------------------------------------------------
+# FLOPs
+# --------------------------------------------------------------------------------------
+
+
+def linear_flops_per_token(model: ModelSpec) -> float:
+    """Forward FLOPs of the four linears of one block per token: 2 x their weights,
+    2h(a d_h + 2 g d_h) + 2 a d_h h + 2 h f (x 3/2 for SwiGLU). Biases are not counted."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    qkv = model.q_size + 2 * model.kv_size
+    return 2.0 * (h * qkv + model.q_size * h + (3 if model.gated else 2) * h * f)
+
+
+def attention_flops_per_token(model: ModelSpec, seq: int) -> float:
+    """Forward FLOPs of Q K^T and softmax.V per token, full s^2 convention: 4 s a d_h."""
+    return 4.0 * seq * model.q_size
+
+
+def model_flops_per_step(model: ModelSpec, train: TrainSpec) -> float:
+    """3 x forward FLOPs of one step. For GPT (MHA, 4h GeLU) this is planner.md's
+    72 B s l h^2 (1 + s/(6h) + V/(12 l h))."""
+    s = train.seq_len
+    per_token = (
+        model.num_layers * (linear_flops_per_token(model) + attention_flops_per_token(model, s))
+        + 2.0 * model.hidden_size * model.vocab_size
+    )
+    return 3.0 * train.global_batch * s * per_token
+
+
+def recompute_flops_per_step(model: ModelSpec, train: TrainSpec, recompute: str) -> float:
+    """FLOPs that recompute runs again: full -> one more forward of every block (not the LM
+    head), giving planner.md's 96 B s l h^2 (1 + s/(6h) + V/(16 l h)); selective -> one
+    forward of the attention core, 4 B s^2 l a d_h. (Korthikanti's s/(3h) selective
+    formula counts the core's forward and backward again; we count what actually reruns.)"""
+    tokens = train.global_batch * train.seq_len
+    attention = attention_flops_per_token(model, train.seq_len)
+    if recompute == "full":
+        return tokens * model.num_layers * (linear_flops_per_token(model) + attention)
+    if recompute == "selective":
+        return tokens * model.num_layers * attention
+    return 0.0
+
+
+def hardware_flops_per_step(model: ModelSpec, train: TrainSpec, recompute: str) -> float:
+    return model_flops_per_step(model, train) + recompute_flops_per_step(model, train, recompute)
+
+
+def total_params(model: ModelSpec) -> float:
+    """The model's parameters by this module's per-stage accounting (one GPU, no split)."""
+    return sum(mem.stage_params(model, Strategy(layout=Layout())))
+
+
+# --------------------------------------------------------------------------------------
+# Estimate
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted step time and peak memory per GPU of one strategy.
+
+    ``time_breakdown`` (seconds, sums to ``step_time_s``): compute, recompute,
+    tp_comm_exposed, pp_p2p, pp_bubble, dp_comm_exposed, optimizer.
+    ``memory_breakdown`` (GiB, of the stage with the highest peak; sums to
+    ``peak_memory_gib``): weights, grads, optimizer, activations, comm_buffers,
+    allocator_headroom, runtime_reserved (CUDA context, cuBLAS workspace, NCCL buffers: not
+    seen by ``torch.cuda.max_memory_allocated``, nor is the allocator headroom).
+    ``micro_batches``: m per step; ``peak_stage``: the pipeline stage of the peak;
+    ``tp_collectives_s``: raw seconds per step of each TP collective kind on the first stage's
+    blocks (all_reduce / all_gather / reduce_scatter / p2p), before any overlap.
+    """
+
+    strategy: Strategy
+    step_time_s: float
+    tokens_per_s: float
+    model_flops_per_step: float
+    hardware_flops_per_step: float
+    model_tflops_per_gpu: float
+    hardware_tflops_per_gpu: float
+    mfu: float
+    hfu: float
+    peak_memory_gib: float
+    memory_capacity_gib: float
+    fits: bool
+    time_breakdown: dict[str, float]
+    memory_breakdown: dict[str, float]
+    micro_batches: int = 0
+    peak_stage: int = 0
+    tp_collectives_s: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["strategy"] = self.strategy.to_dict()
+        data["short"] = self.strategy.short()
+        return data
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """One block, one micro-batch, one GPU: seconds."""
+
+    fwd: float  # compute
+    bwd: float
+    recompute: float
+    comm_fwd: float  # exposed TP communication
+    comm_bwd: float
+    recompute_comm: float
+    collectives: dict[str, float]
+
+    @property
+    def comm(self) -> float:
+        return self.comm_fwd + self.comm_bwd + self.recompute_comm
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One pipeline stage, one micro-batch: seconds (compute includes embedding / LM head)."""
+
+    compute: float
+    recompute: float
+    tp_comm: float
+    p2p: float
+    fwd_window: float  # forward compute a DP all-gather can hide behind
+    bwd_window: float  # backward compute a DP reduction can hide behind
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.recompute + self.tp_comm + self.p2p
+
+
+class _Context:
+    """What every part of one estimate needs: resolved inputs, links, the shared speed."""
+
+    def __init__(self, ev: Evaluator, strategy: Strategy) -> None:
+        model, train = ev.model, ev.train
+        self.model, self.cluster, self.train, self.cal = model, ev.cluster, train, ev.cal
+        self.strategy = strategy
+        layout = strategy.layout
+        self.t, self.p, self.d = layout.tp, layout.pp, layout.dp
+        self.mode = layout.tp_mode if layout.tp > 1 else "megatron"
+        self.e = ev.speed.e
+        self.tokens = strategy.micro_batch * train.seq_len
+        self.m = micro_batches(train, strategy)
+        self.v = virtual_stages(model, strategy)
+        self.layers = stage_layers(model.num_layers, strategy)
+        self.sharded = sharded_boundary(self.t, self.mode, strategy.sequence_parallel)
+        self.links: Placement = placement(layout, ev.cluster)
+        self.speed = ev.speed
+        self.activations = ev.activations
+
+
+def micro_batches(train: TrainSpec, strategy: Strategy) -> int:
+    """m = B / (d b); a remainder breaks Megatron's rule 6."""
+    per = strategy.micro_batch * strategy.layout.dp
+    if train.global_batch % per:
+        raise ConfigError(
+            f"rule 6: global batch {train.global_batch} % (micro-batch {strategy.micro_batch} "
+            f"* DP {strategy.layout.dp}) != 0"
+        )
+    return train.global_batch // per
+
+
+def virtual_stages(model: ModelSpec, strategy: Strategy) -> int:
+    """v = (L / p) / vpp_layers (1 without interleaving)."""
+    if not strategy.vpp_layers or strategy.layout.pp == 1:
+        return 1
+    return max(1, (model.num_layers // strategy.layout.pp) // strategy.vpp_layers)
+
+
+def block_tp(ctx: _Context) -> BlockTP:
+    model, t, speed, cal = ctx.model, ctx.t, ctx.speed, ctx.cal
+    if ctx.mode == "ring":
+        return ring_block(model, ctx.tokens, t, ctx.links.tp_p2p, speed, cal.ring_hop_overlap)
+    if ctx.mode == "cannon":
+        q = math.isqrt(t)
+        row = Link(q, ctx.links.tp.busbw, ctx.links.tp.alpha)
+        return cannon_block(
+            model, ctx.tokens, t, ctx.links.tp_p2p, row, speed, cal.ring_hop_overlap
+        )
+    return megatron_block(
+        model,
+        ctx.tokens,
+        t,
+        ctx.strategy.sequence_parallel,
+        ctx.links.tp,
+        speed,
+        cal.tp_async_backward,
+        cal.overlap_fraction,
+    )
+
+
+def block_cost(ctx: _Context) -> BlockCost:
+    """Forward, backward and recompute seconds of one block for one micro-batch."""
+    linears = block_tp(ctx)
+    attention = attention_core(
+        ctx.model,
+        ctx.train.seq_len,
+        head_seqs(ctx.strategy.micro_batch, ctx.model, ctx.t),
+        ctx.speed,
+    )
+    elementwise = block_elementwise(ctx.model, ctx.tokens, ctx.t, ctx.sharded, ctx.speed)
+    work = linears.gemm + attention + elementwise
+    recompute, recompute_comm = 0.0, 0.0
+    if ctx.strategy.recompute == "full":
+        recompute, recompute_comm = work.fwd, linears.comm.fwd
+    elif ctx.strategy.recompute == "selective":
+        recompute = attention.fwd
+    return BlockCost(
+        work.fwd,
+        work.bwd,
+        recompute,
+        linears.comm.fwd,
+        linears.comm.bwd,
+        recompute_comm,
+        linears.collectives,
+    )
+
+
+def edge_comm(ctx: _Context) -> tuple[float, float]:
+    """Exposed TP communication of the vocab-parallel embedding (first stage: reduction of
+    its output, all-reduce or reduce-scatter) and LM head (last stage: gather of its input
+    and reduction of its input gradient, plus three all-reduces of T fp32 for the
+    vocab-parallel cross entropy)."""
+    if ctx.t == 1:
+        return 0.0, 0.0
+    link = ctx.links.tp
+    size = ctx.e * ctx.tokens * ctx.model.hidden_size
+    loss = 3 * link.all_reduce(4 * ctx.tokens)
+    if ctx.sharded:
+        return link.reduce_scatter(size), link.all_gather(size) + link.reduce_scatter(size) + loss
+    return link.all_reduce(size), link.all_reduce(size) + loss
+
+
+def stage_costs(ctx: _Context, block: BlockCost) -> list[StageCost]:
+    """Per micro-batch cost of each stage; p2p: forward activation + backward gradient of
+    e T h / t bytes each (Megatron scatters across the TP ranks), on the critical path
+    under 1F1B and hidden (but for the fill and drain) when interleaved."""
+    first_comm, last_comm = edge_comm(ctx)
+    emb = embedding(ctx.model, ctx.tokens, ctx.speed)
+    head = lm_head_time(ctx.model, ctx.tokens, ctx.t, ctx.speed)
+    p2p = 0.0
+    if ctx.p > 1 and ctx.v == 1:
+        p2p = 2 * ctx.links.pp_p2p.p2p(ctx.e * ctx.tokens * ctx.model.hidden_size / ctx.t)
+    made: dict[tuple[int, bool, bool], StageCost] = {}  # middle stages are all alike
+    stages = []
+    for i, n in enumerate(ctx.layers):
+        key = (n, i == 0, i == ctx.p - 1)
+        if key not in made:
+            extra, extra_comm = Phase(0.0, 0.0), 0.0
+            if key[1]:
+                extra, extra_comm = extra + emb, extra_comm + first_comm
+            if key[2]:
+                extra, extra_comm = extra + head, extra_comm + last_comm
+            made[key] = StageCost(
+                compute=n * (block.fwd + block.bwd) + extra.fwd + extra.bwd,
+                recompute=n * block.recompute,
+                tp_comm=n * block.comm + extra_comm,
+                p2p=p2p,
+                fwd_window=n * block.fwd,
+                bwd_window=n * block.bwd,
+            )
+        stages.append(made[key])
+    return stages
+
+
+def distinct_stages(p: int) -> list[int]:
+    """Stages that can differ from one another: the first, the first middle one and the last.
+    Middle stages hold equal layers and parameters, and the in-flight activations fall with
+    the stage index, so every maximum over stages is reached on one of these."""
+    return sorted({0, min(1, p - 1), p - 1})
+
+
+def pipeline_parts(stages: list[StageCost], m: int, v: int) -> dict[str, float]:
+    """T_pipe = m max_i t_i + (sum_i t_i - max_i t_i) / v, split into named parts; for p
+    equal stages of t: (m + p - 1) t (1F1B) and m t + (p - 1) t / v (interleaved)."""
+    critical = max(stages, key=lambda st: st.total)
+    rest = sum(st.total for st in stages) - critical.total
+    return {
+        "compute": m * critical.compute,
+        "recompute": m * critical.recompute,
+        "tp_comm_exposed": m * critical.tp_comm,
+        "pp_p2p": m * critical.p2p,
+        "pp_bubble": rest / v,
+    }
+
+
+def pipeline_time(ctx: _Context, stages: list[StageCost]) -> tuple[float, dict[str, float]]:
+    """:func:`pipeline_parts` plus, when interleaved, the P2P of the fill and drain (the
+    steady-state transfers overlap compute: Megatron's overlapped P2P)."""
+    parts = pipeline_parts(stages, ctx.m, ctx.v)
+    if ctx.p > 1 and ctx.v > 1:
+        hop = ctx.links.pp_p2p.p2p(ctx.e * ctx.tokens * ctx.model.hidden_size / ctx.t)
+        parts["pp_p2p"] += 2 * (ctx.p - 1) * hop
+    return sum(parts.values()), parts
+
+
+def dp_comm_exposed(ctx: _Context, psi: float, stage: StageCost, layers: int) -> float:
+    """Exposed DP communication of one stage per step.
+
+    ZeRO-0: all-reduce of the gradients (grad_bytes Psi) once per step; ZeRO-1: reduce-scatter
+    once, then all-gather of the updated e Psi weights; ZeRO-2: reduce-scatter every
+    micro-batch (gradients are partitioned), all-gather after the step; ZeRO-3: per layer and
+    micro-batch, all-gather of its weights before forward and again before backward, and
+    reduce-scatter of its gradients.
+
+    With ``overlap_grad_reduce`` a reduction runs in buckets during the backward of its
+    micro-batch and hides up to ``overlap_fraction`` of that backward, but the last bucket
+    (``dp_bucket_elements``) is always exposed; ZeRO-3 prefetches layer i+1's weights during
+    layer i, so one layer's gather is exposed per pass. The ZeRO-1/2 weight gather after the
+    step is exposed.
+    """
+    link, cal = ctx.links.dp, ctx.cal
+    if ctx.d == 1:
+        return 0.0
+    grad_bytes = 4 if ctx.e == 4 else cal.grad_bytes
+    grads, weights = grad_bytes * psi, ctx.e * psi
+    last_bucket = link.reduce_scatter(grad_bytes * min(cal.dp_bucket_elements, psi))
+
+    def reduce(comm: float) -> float:
+        if not cal.overlap_grad_reduce:
+            return comm
+        return max(comm - cal.overlap_fraction * stage.bwd_window, min(comm, last_bucket))
+
+    zero = ctx.strategy.zero
+    if zero == 0:
+        return reduce(link.all_reduce(grads))
+    if zero == 1:
+        return reduce(link.reduce_scatter(grads)) + link.all_gather(weights)
+    if zero == 2:
+        return ctx.m * reduce(link.reduce_scatter(grads)) + link.all_gather(weights)
+    n = max(layers, 1)
+    gather, scatter = link.all_gather(weights / n), link.reduce_scatter(grads / n)
+    fwd_layer, bwd_layer = stage.fwd_window / n, stage.bwd_window / n
+    hidden = cal.overlap_fraction if cal.overlap_grad_reduce else 0.0
+    fwd = gather + (n - 1) * max(0.0, gather - hidden * fwd_layer)
+    bwd = gather + scatter + (n - 1) * max(0.0, gather + scatter - hidden * bwd_layer)
+    return ctx.m * (fwd + bwd)
+
+
+def optimizer_time(ctx: _Context, psi: float) -> float:
+    """Memory-bound update over this GPU's optimizer shard: per parameter it reads the
+    gradient three times (unscale/cast, norm, update) and writes it once (zeroing), reads and
+    writes the optimizer state, and writes the e-byte weight."""
+    local = psi / (ctx.d if ctx.strategy.zero >= 1 else 1)
+    grad = 4 if ctx.e == 4 else ctx.cal.grad_bytes
+    per_param = 4 * grad + 2 * mem.optimizer_state_bytes(ctx.train) + ctx.e
+    return ctx.speed.memory(local * per_param)
+
+
+# --------------------------------------------------------------------------------------
+# Memory
+# --------------------------------------------------------------------------------------
+
+
+def tp_buffer_bytes(ctx: _Context) -> float:
+    """Transient TP buffers: Megatron's gathered input (and, with SP, the unreduced output)
+    of e T h each; ring: three T/t chunk buffers; Cannon: double-buffered activation and
+    weight blocks."""
+    if ctx.t == 1:
+        return 0.0
+    e, h, tokens = ctx.e, ctx.model.hidden_size, ctx.tokens
+    if ctx.mode == "ring":
+        return 3 * e * tokens / ctx.t * h
+    if ctx.mode == "cannon":
+        q = math.isqrt(ctx.t)
+        widest = max(ctx.model.ffn_hidden_size * (2 if ctx.model.gated else 1), h)
+        return 2 * e * (tokens / q) * (h / q) + 2 * e * (h / q) * (widest / q)
+    return (2 if ctx.sharded else 1) * e * tokens * h
+
+
+def stage_memory(ctx: _Context, stage: int, psi: float) -> dict[str, float]:
+    """Bytes on one GPU of ``stage`` at its peak, by kind."""
+    model, train, cal = ctx.model, ctx.train, ctx.cal
+    states = mem.model_state_bytes(psi, ctx.strategy.zero, ctx.d, train, cal.grad_bytes)
+    acts = ctx.activations
+    per_layer = mem.layer_activation_bytes(
+        acts, ctx.tokens, ctx.t, ctx.sharded, ctx.strategy.recompute
+    )
+    layers = ctx.layers[stage]
+    inflight = mem.inflight_layers(stage, layers, ctx.p, ctx.m, ctx.v)
+    activations = inflight * per_layer
+    r = ctx.t if ctx.sharded else 1
+    h = model.hidden_size
+    if stage == 0 and model.dropout > 0:  # embedding dropout mask per in-flight micro-batch
+        activations += inflight / max(layers, 1) * ctx.tokens * h / r
+    if ctx.strategy.recompute == "full":  # one block recomputed at a time, all its tensors
+        activations += mem.layer_activation_bytes(acts, ctx.tokens, ctx.t, ctx.sharded, "none")
+    if stage == ctx.p - 1:  # final norm + LM head inputs, bf16 logits, fp32 softmax, grad
+        activations += ctx.tokens * (2 * ctx.e * h / r + (2 * ctx.e + 4) * model.vocab_size / ctx.t)
+    buffers = tp_buffer_bytes(ctx)
+    if ctx.p > 1:
+        buffers += 2 * ctx.e * ctx.tokens * h / ctx.t
+    if ctx.d > 1:
+        buffers += min(cal.dp_bucket_elements, psi) * cal.grad_bytes
+    if ctx.strategy.zero == 3 and ctx.d > 1:
+        buffers += 2 * ctx.e * mem.layer_params_per_gpu(model, ctx.t)
+    return {
+        "weights": states.weights,
+        "grads": states.grads,
+        "optimizer": states.optimizer,
+        "activations": activations,
+        "comm_buffers": buffers,
+        "allocator_headroom": cal.allocator_fraction * (activations + buffers),
+        "runtime_reserved": cal.runtime_reserved_gib * GiB,
+    }
+
+
+# --------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------
+
+
+class Evaluator:
+    """Estimates strategies of one (model, cluster, train) with shared caches: GEMM seconds by
+    shape (one :class:`Speed`) and block costs by (t, mode, SP, micro-batch, recompute, TP
+    links). :func:`estimate` is one call of it; the search keeps one for all candidates."""
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        cluster: ClusterSpec,
+        train: TrainSpec,
+        calibration: Calibration | None = None,
+    ) -> None:
+        self.model, self.cluster, self.train = model, cluster, train
+        self.cal = calibration or Calibration.load_default(cluster.gpu.name)
+        self.speed = Speed(cluster.gpu, self.cal, cluster.profile, mem.element_bytes(train))
+        self._blocks: dict[tuple, BlockCost] = {}
+        self._memory: dict[Strategy, tuple[int, dict[str, float]]] = {}
+        self.activations = mem.layer_activations(
+            model, train.seq_len, self.speed.e, self.cal.flash_attention
+        )
+
+    def _block(self, ctx: _Context) -> BlockCost:
+        s = ctx.strategy
+        key = (
+            ctx.t,
+            ctx.mode,
+            ctx.sharded,
+            s.micro_batch,
+            s.recompute,
+            ctx.links.tp,
+            ctx.links.tp_p2p,
+        )
+        cost = self._blocks.get(key)
+        if cost is None:
+            cost = self._blocks[key] = block_cost(ctx)
+        return cost
+
+    def memory(self, strategy: Strategy) -> tuple[int, dict[str, float]]:
+        """(peak stage, its memory breakdown in GiB): the cheap half of an estimate."""
+        cached = self._memory.get(strategy)
+        if cached is None:
+            ctx = _Context(self, strategy)
+            psis = mem.stage_params(self.model, strategy)
+            stages = {i: stage_memory(ctx, i, psis[i]) for i in distinct_stages(ctx.p)}
+            peak = max(stages, key=lambda i: sum(stages[i].values()))
+            cached = self._memory[strategy] = (peak, {k: v / GiB for k, v in stages[peak].items()})
+        return cached
+
+    def estimate(self, strategy: Strategy) -> Estimate:
+        """Step time, throughput, FLOPs, MFU/HFU and peak memory per GPU of ``strategy``."""
+        model, train, cluster = self.model, self.train, self.cluster
+        ctx = _Context(self, strategy)
+        block = self._block(ctx)
+        stages = stage_costs(ctx, block)
+        pipe, parts = pipeline_time(ctx, stages)
+        psis = mem.stage_params(model, strategy)
+        dp = {
+            i: dp_comm_exposed(ctx, psis[i], stages[i], ctx.layers[i])
+            for i in distinct_stages(ctx.p)
+        }
+        opt = {i: optimizer_time(ctx, psis[i]) for i in dp}
+        slow = max(dp, key=lambda i: dp[i] + opt[i])
+        parts["dp_comm_exposed"], parts["optimizer"] = dp[slow], opt[slow]
+        step = pipe + dp[slow] + opt[slow]
+
+        peak_stage, memory = self.memory(strategy)
+        peak = sum(memory.values())
+        per_gpu = step * strategy.layout.world_size
+        peak_flops = cluster.gpu.peak_tflops * 1e12
+        model_flops = model_flops_per_step(model, train)
+        hw_flops = hardware_flops_per_step(model, train, strategy.recompute)
+        return Estimate(
+            strategy=strategy,
+            step_time_s=step,
+            tokens_per_s=train.tokens_per_step / step,
+            model_flops_per_step=model_flops,
+            hardware_flops_per_step=hw_flops,
+            model_tflops_per_gpu=model_flops / per_gpu / 1e12,
+            hardware_tflops_per_gpu=hw_flops / per_gpu / 1e12,
+            mfu=model_flops / per_gpu / peak_flops,
+            hfu=hw_flops / per_gpu / peak_flops,
+            peak_memory_gib=peak,
+            memory_capacity_gib=cluster.gpu.hbm_gib,
+            fits=peak <= cluster.gpu.hbm_gib,
+            time_breakdown=parts,
+            memory_breakdown=memory,
+            micro_batches=ctx.m,
+            peak_stage=peak_stage,
+            tp_collectives_s={k: ctx.m * ctx.layers[0] * v for k, v in block.collectives.items()},
+        )
+
+
+def estimate(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    train: TrainSpec,
+    strategy: Strategy,
+    calibration: Calibration | None = None,
+) -> Estimate:
+    """Step time, throughput, FLOPs, MFU/HFU and peak memory per GPU of ``strategy``.
+
+    The strategy is assumed valid (:func:`ds_stpar.planner.rules.violations` is empty);
+    ``calibration`` defaults to :meth:`Calibration.load_default` for the cluster's GPU.
+    """
+    return Evaluator(model, cluster, train, calibration).estimate(strategy)

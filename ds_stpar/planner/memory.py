@@ -1,0 +1,209 @@
+"""Memory per GPU of one strategy: parameters per stage, model states per ZeRO stage,
+activations per layer (derived from the tensors each layer saves), in-flight micro-batches.
+
+All sizes are bytes on ONE GPU unless a name says otherwise. Notation as planner.md:
+h hidden, a heads, g query groups, d_h head dim, q = a d_h, kv = g d_h, f FFN size, V vocab,
+s sequence, b micro-batch, t TP degree, p PP degree, d DP degree, m micro-batches, v virtual
+stages, e bytes per activation element (2 for bf16/fp16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ds_stpar.config import ModelSpec, Strategy, TrainSpec, stage_layers
+
+MASK_BYTES = 1  # a dropout mask element (torch.bool / uint8)
+FP32 = 4
+
+
+def element_bytes(train: TrainSpec) -> int:
+    return 4 if train.dtype == "fp32" else 2
+
+
+# --------------------------------------------------------------------------------------
+# Parameters
+# --------------------------------------------------------------------------------------
+
+
+def layer_params_split(model: ModelSpec) -> tuple[int, int]:
+    """(TP-sharded, replicated) parameters of one block.
+
+    Sharded over t: QKV weight and bias (column), projection weight (row), fc1 weight and
+    bias (column), fc2 weight (row). Replicated: the two norms and the two row-parallel
+    biases (Megatron adds them after the reduction). The sum is ``params_per_layer()``.
+    """
+    h, f = model.hidden_size, model.ffn_hidden_size
+    qkv_out = model.q_size + 2 * model.kv_size
+    fc1_out = 2 * f if model.gated else f
+    sharded = h * qkv_out + model.q_size * h + h * fc1_out + f * h
+    if model.add_bias_linear:
+        sharded += qkv_out + fc1_out
+    replicated = model.params_per_layer() - sharded
+    return sharded, replicated
+
+
+def layer_params_per_gpu(model: ModelSpec, tp: int) -> float:
+    sharded, replicated = layer_params_split(model)
+    return sharded / tp + replicated
+
+
+def embedding_params_per_gpu(model: ModelSpec, tp: int) -> float:
+    """First stage: vocab-parallel word embedding V h / t plus replicated learned positions."""
+    return model.vocab_size * model.hidden_size / tp + (
+        model.embedding_params() - model.vocab_size * model.hidden_size
+    )
+
+
+def head_params_per_gpu(model: ModelSpec, tp: int, pp: int) -> float:
+    """Last stage: final norm plus the vocab-parallel LM head V h / t. A tied head shares the
+    embedding when pp == 1; with pp > 1 the last stage holds its own copy (Megatron)."""
+    head = model.vocab_size * model.hidden_size / tp
+    if model.tied_embeddings and pp == 1:
+        head = 0.0
+    return model.final_norm_params() + head
+
+
+def stage_params(model: ModelSpec, strategy: Strategy) -> list[float]:
+    """Parameters held by one GPU of each pipeline stage (Psi of planner.md, per stage)."""
+    tp, pp = strategy.layout.tp, strategy.layout.pp
+    layers = stage_layers(model.num_layers, strategy)
+    per_layer = layer_params_per_gpu(model, tp)
+    params = [n * per_layer for n in layers]
+    params[0] += embedding_params_per_gpu(model, tp)
+    params[-1] += head_params_per_gpu(model, tp, pp)
+    return params
+
+
+# --------------------------------------------------------------------------------------
+# Model states
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    weights: float
+    grads: float
+    optimizer: float
+
+
+def optimizer_state_bytes(train: TrainSpec) -> int:
+    """fp32 master copy (mixed precision only) + Adam m, v (or one SGD momentum)."""
+    master = 0 if train.dtype == "fp32" else FP32
+    moments = FP32 if train.optimizer == "sgd" else 2 * FP32
+    return master + moments
+
+
+def model_state_bytes(
+    psi: float, zero: int, dp: int, train: TrainSpec, grad_bytes: int
+) -> ModelStates:
+    """Weights, gradients and optimizer state of ``psi`` parameters under a ZeRO stage.
+
+    With bf16 weights (2), bf16 grads (``grad_bytes`` = 2) and Adam (12) this is planner.md:
+    ZeRO-0 16 Psi; ZeRO-1 4 Psi + 12 Psi/d; ZeRO-2 2 Psi + 14 Psi/d; ZeRO-3 16 Psi/d.
+    Megatron's fp32 main grads (``grad_bytes`` = 4) give 18 Psi, and 6 + 12/d with its
+    distributed optimizer (= ZeRO-1).
+    """
+    weight_bytes = element_bytes(train)
+    grad = FP32 if train.dtype == "fp32" else grad_bytes
+    return ModelStates(
+        weights=weight_bytes * psi / (dp if zero >= 3 else 1),
+        grads=grad * psi / (dp if zero >= 2 else 1),
+        optimizer=optimizer_state_bytes(train) * psi / (dp if zero >= 1 else 1),
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Activations
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerActivations:
+    """Bytes per token of one layer, split by how TP divides them.
+
+    ``residual``: tensors of hidden size between the TP regions (replicated under Megatron
+    TP, divided by t with sequence parallelism, ring or Cannon). ``parallel``: tensors inside
+    the TP regions (always divided by t). ``scores``: the s-proportional softmax tensors of
+    unfused attention (divided by t; gone with flash attention or selective recompute).
+    ``layer_input``: e h, all that full recompute keeps.
+    """
+
+    residual: float
+    parallel: float
+    scores: float
+    layer_input: float
+
+
+def layer_activations(model: ModelSpec, seq: int, e: int, flash: bool) -> LayerActivations:
+    """Saved tensors of one block per token, with no TP and no recompute.
+
+    Derivation (Korthikanti et al. 2022, Section 4.1, generalised to GQA and SwiGLU):
+
+    residual (per token): LN1 input e h, LN1 output = QKV input e h, LN2 input e h, LN2
+    output = fc1 input e h, and with hidden dropout two masks h (after the projection and
+    after fc2) -> 4 e h (+ 2 h).
+
+    attention (parallel): unfused (Megatron's baddbmm + softmax path; K and V expanded to
+    the a heads) saves Q and K for Q K^T (2 e q), V for softmax.V (e q) and the projection
+    input (e q) -> 4 e q; flash attention saves Q, K, V unexpanded (e (q + 2 kv)), its
+    output = the projection input (e q) and the fp32 log-sum-exp (4 a).
+    scores (unfused only): softmax output e a s, and with attention dropout its mask a s and
+    output e a s -> (2e + 1) a s = 5 a s for bf16.
+
+    MLP (parallel): GeLU saves fc1's output (GeLU input) e f and fc2's input e f -> 2 e f;
+    SwiGLU saves fc1's output [gate, up] 2 e f and fc2's input e f -> 3 e f.
+
+    A 4h GeLU MHA block with dropout in bf16: residual 8h + 2h = 10h, parallel 8h + 16h =
+    24h, scores 5as: sbh (34 + 5as/h), and with TP sbh (10 + 24/t + 5as/(ht)) -- planner.md.
+    Llama-3 8B (SwiGLU f = 3.5h, GQA kv = h/4, flash, no dropout) also comes to ~34 h.
+    """
+    h, q, kv, f, a = (
+        model.hidden_size,
+        model.q_size,
+        model.kv_size,
+        model.ffn_hidden_size,
+        model.num_attention_heads,
+    )
+    dropout = model.dropout > 0
+    residual = 4 * e * h + (2 * MASK_BYTES * h if dropout else 0)
+    if flash:
+        attention = e * (q + 2 * kv) + e * q + FP32 * a
+        scores = 0.0
+    else:
+        attention = 4 * e * q
+        scores = (2 * e + MASK_BYTES if dropout else e) * a * seq
+    mlp = (3 if model.gated else 2) * e * f
+    return LayerActivations(residual, attention + mlp, scores, e * h)
+
+
+def layer_activation_bytes(
+    acts: LayerActivations, tokens: float, tp: int, sharded_boundary: bool, recompute: str
+) -> float:
+    """Bytes one GPU keeps for one layer of one micro-batch of ``tokens`` tokens.
+
+    none: tokens (residual / r + parallel / t + scores / t) with r = t when the boundary is
+    sharded (SP, ring, Cannon) else 1 -- planner.md rows "TP" and "TP + SP".
+    selective: the same without the score tensors (rows "TP + selective", "TP + SP + selective").
+    full: only the layer input, tokens e h / r (row "full recompute").
+    """
+    r = tp if sharded_boundary else 1
+    if recompute == "full":
+        return tokens * acts.layer_input / r
+    scores = 0.0 if recompute == "selective" else acts.scores / tp
+    return tokens * (acts.residual / r + acts.parallel / tp + scores)
+
+
+def inflight_layers(stage: int, layers: int, pp: int, m: int, v: int) -> float:
+    """Layers' worth of micro-batch activations stage ``stage`` holds at its peak.
+
+    1F1B (v = 1): stage i runs p - i - 1 warm-up forwards and one more before its first
+    backward, so it holds min(m, p - i) micro-batches of its ``layers`` layers (stage 0: p, planner.md).
+    Interleaved (v > 1, Megatron's schedule): 2(p - i - 1) + (v - 1) p + 1 model chunks of
+    layers / v layers each, at most m v; for stage 0 that is p (1 + (p - 1)/(p v)) micro-batches
+    of layers, the factor of planner.md.
+    """
+    if v <= 1:
+        return min(m, pp - stage) * layers
+    chunks = min(m * v, 2 * (pp - stage - 1) + (v - 1) * pp + 1)
+    return chunks * layers / v

@@ -1,0 +1,401 @@
+"""What the cost model knows about the hardware beyond its datasheet.
+
+Two objects, both plain data (no torch import at module level: the planner runs anywhere):
+
+- :class:`Calibration` — a handful of global constants of the efficiency model: one GEMM
+  efficiency curve (:meth:`Calibration.gemm_efficiency`), the fraction of HBM bandwidth that
+  memory-bound kernels reach, flash-attention efficiency, how much of a neighbour hop a
+  ring/Cannon step hides, how much DP gradient reduction hides behind backward, allocator
+  headroom. Defaults live in ``ds_stpar/data/calibration.json`` (per-GPU overrides on top of
+  one ``default`` block); :meth:`Calibration.load_default` reads them.
+- :class:`Profile` — measurements of one machine (:func:`measure`, run by ``ds-stpar
+  profile`` on a GPU box): achieved bf16 GEMM TFLOP/s over a grid of (M, N, K) shapes and
+  bus bandwidth per collective and group size (nccl-tests "busbw"
+  convention, planner.md "Collectives"). When a cluster carries a profile the cost model
+  looks shapes and group sizes up in it (:meth:`Profile.gemm_tflops`,
+  :meth:`Profile.bus_bandwidth`) and falls back to the calibration curve and the datasheet
+  outside the measured range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+from ds_stpar.config import GPU_PRESETS, read_json
+from ds_stpar.errors import ConfigError, StparError
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+
+# --------------------------------------------------------------------------------------
+# Calibration
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Global constants of the efficiency model (see ``ds_stpar/data/calibration.json``).
+
+    GEMM curve (one for every GEMM, :meth:`gemm_efficiency`)::
+
+        eff(M, N, K) = e_max * M/(M + x0) * N/(N + x0) * K/(K + x0)
+
+    ``e_max`` = ``gemm_peak_fraction`` (what a huge GEMM reaches), ``x0`` =
+    ``gemm_half_dim`` (a dimension of x0 halves the efficiency: tile under-fill for small or
+    skinny GEMMs). The cost model applies it under a roofline: a GEMM takes at least its
+    bytes over ``memory_efficiency`` x HBM bandwidth.
+
+    Overlap: ``overlap_fraction`` is the share of a concurrent GEMM's time that hides NCCL
+    communication (DP reduction behind backward, Megatron's async TP backward);
+    ``ring_hop_overlap`` the share of a ring/Cannon neighbour hop hidden behind its step's
+    sub-GEMM.
+
+    Stack facts (what the software does, not measured speed): ``flash_attention`` (fused
+    attention that skips masked blocks; otherwise Megatron's unfused softmax path with s^2
+    score tensors), ``overlap_grad_reduce`` (DP reduction overlapped with backward, as
+    Megatron's --overlap-grad-reduce and DeepSpeed's overlap_comm do),
+    ``tp_async_backward`` (Megatron overlaps the backward TP collectives of column-parallel
+    linears with the GEMMs, needs CUDA_DEVICE_MAX_CONNECTIONS=1), ``grad_bytes`` (bytes
+    per gradient element, 2 for bf16/fp16 gradients as DeepSpeed keeps them and planner.md
+    counts them; 4 for Megatron's fp32 main grads), ``dp_bucket_elements`` (DeepSpeed's
+    reduce/all-gather bucket; planner/emit.py writes the same).
+    """
+
+    gemm_peak_fraction: float = 0.8
+    gemm_half_dim: float = 56.0
+    memory_efficiency: float = 0.7
+    flash_attention: bool = True
+    flash_fraction: float = 0.45
+    ring_hop_overlap: float = 0.25
+    overlap_fraction: float = 0.8
+    overlap_grad_reduce: bool = True
+    tp_async_backward: bool = True
+    grad_bytes: int = 2
+    dp_bucket_elements: int = 500_000_000
+    allocator_fraction: float = 0.1
+    runtime_reserved_gib: float = 1.5
+
+    def __post_init__(self) -> None:
+        for name in ("gemm_peak_fraction", "memory_efficiency", "flash_fraction"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ConfigError(f"calibration {name} must be in (0, 1], got {value}")
+        for name in ("ring_hop_overlap", "overlap_fraction", "allocator_fraction"):
+            value = getattr(self, name)
+            if not 0 <= value <= 1:
+                raise ConfigError(f"calibration {name} must be in [0, 1], got {value}")
+        if self.gemm_half_dim < 0 or self.runtime_reserved_gib < 0:
+            raise ConfigError("calibration gemm_half_dim and runtime_reserved_gib must be >= 0")
+        if self.grad_bytes not in (2, 4):
+            raise ConfigError(f"calibration grad_bytes must be 2 or 4, got {self.grad_bytes}")
+
+    def gemm_efficiency(self, m: float, n: float, k: float) -> float:
+        """Fraction of peak a (m x k) @ (k x n) GEMM reaches, compute-bound part only."""
+        x0 = self.gemm_half_dim
+        return self.gemm_peak_fraction * (m / (m + x0)) * (n / (n + x0)) * (k / (k + x0))
+
+    def replace(self, **changes: Any) -> Calibration:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "calibration") -> Calibration:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike, gpu: str | None = None) -> Calibration:
+        """A calibration file: flat fields, or ``{"default": {...}, "gpus": {name: {...}}}``."""
+        data = read_json(path)
+        return cls._from_layered(data, gpu, os.fspath(path))
+
+    @classmethod
+    def load_default(cls, gpu: str | None = None) -> Calibration:
+        """The shipped defaults (``ds_stpar/data/calibration.json``), with ``gpu``'s overrides."""
+        text = resources.files("ds_stpar").joinpath("data/calibration.json").read_text("utf-8")
+        return cls._from_layered(json.loads(text), gpu, "ds_stpar/data/calibration.json")
+
+    @classmethod
+    def _from_layered(cls, data: Any, gpu: str | None, where: str) -> Calibration:
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: a calibration must be a JSON object")
+        if "default" not in data:
+            return cls.from_dict({k: v for k, v in data.items() if not k.startswith("_")}, where)
+        merged = dict(data["default"])
+        merged.update(data.get("gpus", {}).get(gpu, {}))
+        return cls.from_dict(merged, where)
+
+
+# --------------------------------------------------------------------------------------
+# Profile
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Profile:
+    """Measurements of one machine.
+
+    ``gemm``: rows ``(m, n, k, tflops)`` of achieved bf16 TFLOP/s for an (m x k) @ (k x n)
+    product. ``bus_bandwidth_gbs[collective][n]``: nccl-tests bus bandwidth in GB/s of a
+    collective over ``n`` GPUs of one node (``p2p``: plain bandwidth between two GPUs).
+    """
+
+    gpu: str
+    peak_tflops: float = 0.0
+    gemm: list[tuple[int, int, int, float]] = field(default_factory=list)
+    bus_bandwidth_gbs: dict[str, dict[int, float]] = field(default_factory=dict)
+
+    # ---- lookups used by the cost model ------------------------------------------------
+    def gemm_tflops(self, m: float, n: float, k: float) -> float | None:
+        """Achieved TFLOP/s for this shape by inverse-distance weighting of the measured
+        shapes nearest in log2(m, n, k); ``None`` outside the measured grid (more than a
+        factor 2 beyond it in any dimension), where the calibration curve applies."""
+        if not self.gemm:
+            return None
+        query = (math.log2(m), math.log2(n), math.log2(k))
+        for axis in range(3):
+            values = [math.log2(row[axis]) for row in self.gemm]
+            if not min(values) - 1 <= query[axis] <= max(values) + 1:
+                return None
+        scored = sorted(
+            (math.dist(query, (math.log2(r[0]), math.log2(r[1]), math.log2(r[2]))), r[3])
+            for r in self.gemm
+        )[:4]
+        if scored[0][0] < 1e-9:
+            return scored[0][1]
+        weights = [1.0 / d**2 for d, _ in scored]
+        return sum(w * t for w, (_, t) in zip(weights, scored)) / sum(weights)
+
+    def bus_bandwidth(self, collective: str, n: int) -> float | None:
+        """Measured busbw (GB/s) for ``n`` GPUs, linear in n between measured sizes; ``None``
+        when the collective or a bracketing size was not measured."""
+        table = self.bus_bandwidth_gbs.get(collective) or {}
+        if n in table:
+            return table[n]
+        below = [size for size in table if size < n]
+        above = [size for size in table if size > n]
+        if not below or not above:
+            return None
+        lo, hi = max(below), min(above)
+        return table[lo] + (table[hi] - table[lo]) * (n - lo) / (hi - lo)
+
+    # ---- JSON ------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "gpu": self.gpu,
+            "peak_tflops": self.peak_tflops,
+            "gemm": [
+                {
+                    "m": m,
+                    "n": n,
+                    "k": k,
+                    "tflops": t,
+                    **({"efficiency": t / self.peak_tflops} if self.peak_tflops else {}),
+                }
+                for m, n, k, t in self.gemm
+            ],
+            "bus_bandwidth_gbs": {
+                name: {str(size): bw for size, bw in sorted(table.items())}
+                for name, table in self.bus_bandwidth_gbs.items()
+            },
+        }
+
+    def to_json(self, path: str | os.PathLike) -> None:
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(self.to_dict(), handle, indent=2)
+            handle.write("\n")
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "profile") -> Profile:
+        if not isinstance(data, dict) or "gpu" not in data:
+            raise ConfigError(f'{where}: a profile is a JSON object with a "gpu" key')
+        try:
+            gemm = [
+                (int(r["m"]), int(r["n"]), int(r["k"]), float(r["tflops"]))
+                for r in data.get("gemm", [])
+            ]
+            busbw = {
+                name: {int(size): float(bw) for size, bw in table.items()}
+                for name, table in data.get("bus_bandwidth_gbs", {}).items()
+            }
+            profile = cls(
+                gpu=str(data["gpu"]),
+                peak_tflops=float(data.get("peak_tflops", 0.0)),
+                gemm=gemm,
+                bus_bandwidth_gbs=busbw,
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise ConfigError(f"{where}: malformed profile ({type(err).__name__}: {err})") from None
+        profile._validate(where)
+        return profile
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> Profile:
+        return cls.from_dict(read_json(path), os.fspath(path))
+
+    def _validate(self, where: str) -> None:
+        unknown = sorted(set(self.bus_bandwidth_gbs) - set(COLLECTIVES))
+        if unknown:
+            raise ConfigError(f"{where}: unknown collective(s) {unknown}; known: {COLLECTIVES}")
+        bad_gemm = [r for r in self.gemm if min(r) <= 0]
+        bad_bw = [
+            (name, size)
+            for name, table in self.bus_bandwidth_gbs.items()
+            for size, bw in table.items()
+            if size < 2 or bw <= 0
+        ]
+        if bad_gemm or bad_bw or self.peak_tflops < 0:
+            raise ConfigError(
+                f"{where}: profile figures must be positive (GEMM rows {bad_gemm[:3]}, "
+                f"bandwidth entries {bad_bw[:3]})"
+            )
+
+
+# --------------------------------------------------------------------------------------
+# Measuring (GPU only)
+# --------------------------------------------------------------------------------------
+
+GEMM_M = (512, 2048, 8192, 32768)
+GEMM_NK = (128, 1024, 4096, 8192, 16384)
+COLLECTIVE_MIB = 256
+COLLECTIVE_CALLS = 20  # the same on every rank: a collective's call count must match
+
+
+def _preset_for(device_name: str, total_bytes: int) -> str | None:
+    """Our GPU preset for a CUDA device name, e.g. "NVIDIA H100 80GB HBM3" -> h100-80g."""
+    name = device_name.lower()
+    for token, preset in (("h200", "h200-141g"), ("h100", "h100-80g")):
+        if token in name:
+            return preset
+    if "a100" in name:
+        return "a100-80g" if total_bytes > 50 * 1024**3 else "a100-40g"
+    return None
+
+
+def _time_calls(torch: Any, fn: Any, calls: int) -> float:
+    """Seconds per call of ``fn`` over ``calls`` calls after 3 warm-up calls (CUDA events)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) / 1e3 / calls
+
+
+def _time_cuda(torch: Any, fn: Any, min_seconds: float = 0.05) -> float:
+    """Seconds per call of a local ``fn``, with enough calls to run ``min_seconds``. Not for
+    collectives: the call count depends on this rank's timing (use :func:`_time_calls`)."""
+    calls = 1
+    while True:
+        seconds = _time_calls(torch, fn, calls) * calls
+        if seconds >= min_seconds or calls >= 1024:
+            return seconds / calls
+        calls *= 4
+
+
+def _measure_gemms(torch: Any, device: Any) -> list[tuple[int, int, int, float]]:
+    rows = []
+    for m in GEMM_M:
+        for n in GEMM_NK:
+            for k in GEMM_NK:
+                a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+                b = torch.randn(k, n, device=device, dtype=torch.bfloat16)
+                seconds = _time_cuda(torch, lambda a=a, b=b: torch.matmul(a, b))
+                rows.append((m, n, k, 2.0 * m * n * k / seconds / 1e12))
+                del a, b
+    return rows
+
+
+def _busbw(name: str, n: int, nbytes: int, seconds: float) -> float:
+    """nccl-tests bus bandwidth: algbw x 2(n-1)/n (all-reduce), x (n-1)/n (gather/scatter)."""
+    algbw = nbytes / seconds / 1e9
+    if name == "all_reduce":
+        return algbw * 2 * (n - 1) / n
+    if name in ("all_gather", "reduce_scatter"):
+        return algbw * (n - 1) / n
+    return algbw
+
+
+def _collective_ops(torch: Any, device: Any, nbytes: int, n: int, group: Any) -> dict[str, Any]:
+    """Callables running one all-reduce / all-gather / reduce-scatter of ``nbytes`` (full size)."""
+    dist = torch.distributed
+    shard = torch.empty(nbytes // 2 // n, device=device, dtype=torch.bfloat16)
+    full = torch.empty(shard.numel() * n, device=device, dtype=torch.bfloat16)
+    return {
+        "all_reduce": lambda: dist.all_reduce(full, group=group),
+        "all_gather": lambda: dist.all_gather_into_tensor(full, shard, group=group),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full, group=group),
+    }
+
+
+def _measure_collectives(torch: Any, device: Any) -> dict[str, dict[int, float]]:
+    """busbw of all-reduce / all-gather / reduce-scatter over the first n ranks (n = 2, 4, ...,
+    world) and of a send/recv pair; every rank runs every step (new_group is collective)."""
+    dist = torch.distributed
+    world, rank = dist.get_world_size(), dist.get_rank()
+    nbytes = COLLECTIVE_MIB * 1024**2
+    sizes = sorted({2**i for i in range(1, world.bit_length()) if 2**i <= world} | {world})
+    table: dict[str, dict[int, float]] = {name: {} for name in COLLECTIVES}
+    for n in sizes:
+        group = dist.new_group(list(range(n)))
+        if rank < n:
+            for name, op in _collective_ops(torch, device, nbytes, n, group).items():
+                seconds = _time_calls(torch, op, COLLECTIVE_CALLS)
+                table[name][n] = _busbw(name, n, nbytes, seconds)
+        dist.barrier()
+    pair = dist.new_group([0, 1])  # collective: every rank creates it
+    if rank < 2:
+        buf = torch.empty(nbytes // 2, device=device, dtype=torch.bfloat16)
+        peer = 1 - rank
+
+        def exchange() -> None:
+            op = dist.P2POp(dist.isend if rank == 0 else dist.irecv, buf, peer, group=pair)
+            for req in dist.batch_isend_irecv([op]):
+                req.wait()
+
+        table["p2p"][2] = _busbw("p2p", 2, nbytes, _time_calls(torch, exchange, COLLECTIVE_CALLS))
+    dist.barrier()
+    return {name: sizes_bw for name, sizes_bw in table.items() if sizes_bw}
+
+
+def measure(device: Any = None) -> Profile:
+    """Measure this machine: bf16 GEMMs over ``GEMM_M x GEMM_NK x GEMM_NK`` and (only when
+    torch.distributed is initialised with world > 1) collectives over the GPUs of the world.
+    Raises :class:`StparError` without a CUDA GPU."""
+    try:
+        import torch
+    except ImportError:
+        raise StparError(
+            "ds-stpar profile needs PyTorch with CUDA; torch is not installed"
+        ) from None
+    if not torch.cuda.is_available():
+        raise StparError(
+            "ds-stpar profile needs a CUDA GPU and none is visible (torch.cuda.is_available() "
+            "is False); run it on the GPU machines, then pass the JSON with --profile"
+        )
+    device = torch.device(device if device is not None else f"cuda:{torch.cuda.current_device()}")
+    props = torch.cuda.get_device_properties(device)
+    preset = _preset_for(props.name, props.total_memory)
+    profile = Profile(
+        gpu=preset or props.name,
+        peak_tflops=GPU_PRESETS[preset].peak_tflops if preset else 0.0,
+        gemm=_measure_gemms(torch, device),
+    )
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        profile.bus_bandwidth_gbs = _measure_collectives(torch, device)
+    return profile
