@@ -1,0 +1,626 @@
+"""Plan outputs: the DeepSpeed JSON, Megatron-LM arguments and the report, written all-or-nothing.
+
+Three files come out of ``ds-stpar plan --out DIR``:
+
+- ``ds_stpar.json`` — a DeepSpeed config (:func:`deepspeed_config`) that also carries the
+  plan as a top-level ``"ds_stpar"`` section (:class:`~ds_stpar.config.StparConfig`).
+  DeepSpeed (checked on 0.19.8) validates only the top-level keys it knows and ignores the
+  rest — its sub-sections such as ``zero_optimization`` are strict pydantic models, the top
+  level is a plain dict — and the engine keeps the whole dict as ``engine.config``.
+  ``tests/test_emit.py`` runs ``deepspeed.initialize`` on the emitted file to keep that true.
+- ``megatron_args.txt`` — Megatron-LM flags (:func:`megatron_args`) and the environment they
+  expect (:func:`megatron_env`), one per line, for ``pretrain_gpt.py``.
+- ``plan.md`` — the ranked layouts with their time and memory breakdowns and the layout
+  families the search rejected, with reasons (:func:`report_markdown`).
+
+Batch algebra (planner.md "DeepSpeed JSON"): with ``d`` data-parallel ranks, micro-batch
+``b`` and global batch ``B`` sequences, each rank runs ``GAS = B / (b d)`` micro-batches per
+step, and ``train_batch_size = b * GAS * d = B``. DeepSpeed asserts exactly this equality
+with ``d`` its notion of "world": the data-parallel size when an ``mpu`` is passed to
+``deepspeed.initialize``, otherwise the whole world ``d t p``. ds_stpar always passes an
+``mpu`` (an adapter over the layout's groups), so the emitted numbers use the DP size; a
+caller that passes no ``mpu`` while ``t p > 1`` fails DeepSpeed's batch assertion. No field
+is left "auto" (HF Trainer would fill train_batch_size from the whole world).
+
+ZeRO in Megatron-LM terms: ``--use-distributed-optimizer`` shards the fp32 master weights
+and Adam moments over DP, which is ZeRO-1. Megatron-LM's DDP keeps full-size gradient
+buffers and full weights, so ZeRO stages 1, 2 and 3 all map to that flag, and a stage-2/3
+plan uses more memory under Megatron-LM than estimated; megatron_args.txt says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ds_stpar.config import (
+    TP_MODES,
+    Bucket,
+    ClusterSpec,
+    ModelSpec,
+    StparConfig,
+    Strategy,
+    TrainSpec,
+)
+from ds_stpar.errors import ConfigError, DoesNotFitError
+from ds_stpar.planner import rules
+from ds_stpar.planner.cost import Estimate, estimate, micro_batches
+from ds_stpar.planner.profile import Calibration
+from ds_stpar.planner.search import SearchResult, search
+
+PLAN_FILES = ("ds_stpar.json", "megatron_args.txt", "plan.md")
+ALL = 1 << 30  # a top_k that keeps every fitting strategy
+
+MEGATRON_SPEC = ("ds_stpar.layers.megatron_spec", "get_gpt_layer_stpar_spec")
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """Optimizer hyper-parameters copied into both outputs (the planner does not search them)."""
+
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    gradient_clipping: float = 1.0
+
+
+# --------------------------------------------------------------------------------------
+# Checks shared by both outputs
+# --------------------------------------------------------------------------------------
+
+
+def _megatron_sp(strategy: Strategy) -> Strategy:
+    """Sequence parallelism is meaningless at t = 1: Megatron-LM turns it off there (with a
+    warning) and so do the outputs, rather than refusing the strategy (rule 9)."""
+    if strategy.layout.tp == 1 and strategy.sequence_parallel:
+        return dataclasses.replace(strategy, sequence_parallel=False)
+    return strategy
+
+
+def _check(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strategy: Strategy) -> None:
+    """The rules of planner.md and ours (:func:`rules.check`), then what only the outputs need."""
+    rules.check(model, cluster, train, strategy)
+    if model.position_embedding == "learned" and train.seq_len > model.max_position_embeddings:
+        raise ConfigError(
+            f"seq_len {train.seq_len} exceeds the {model.max_position_embeddings} learned "
+            f"positions of {model.name}; use --seq-len <= {model.max_position_embeddings}"
+        )
+    if strategy.vpp_layers and (strategy.first_stage_layers or strategy.last_stage_layers):
+        raise ConfigError(
+            "interleaved pipelining with uneven first/last stages is not emitted (Megatron-LM "
+            "then needs --num-virtual-stages-per-pipeline-rank); drop one of the two"
+        )
+
+
+# --------------------------------------------------------------------------------------
+# DeepSpeed
+# --------------------------------------------------------------------------------------
+
+
+def _precision_section(dtype: str) -> dict[str, Any]:
+    if dtype == "fp16":
+        # loss_scale 0 selects dynamic loss scaling.
+        return {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}}
+    return {"bf16": {"enabled": dtype == "bf16"}}
+
+
+def _optimizer_section(name: str, opt: OptimizerSettings) -> dict[str, Any]:
+    """DeepSpeed optimizer block; ``torch_adam`` avoids the fused-Adam JIT build."""
+    if name == "sgd":
+        # Not a DeepSpeed optimizer name: the engine builds torch.optim.SGD.
+        return {"type": "SGD", "params": {"lr": opt.lr, "weight_decay": opt.weight_decay}}
+    params: dict[str, Any] = {
+        "lr": opt.lr,
+        "betas": list(opt.betas),
+        "eps": opt.eps,
+        "weight_decay": opt.weight_decay,
+        "torch_adam": True,
+    }
+    if name == "adam":
+        params["adam_w_mode"] = False  # DeepSpeed's "Adam" means AdamW unless told otherwise
+    return {"type": "AdamW" if name == "adamw" else "Adam", "params": params}
+
+
+def deepspeed_config(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    train: TrainSpec,
+    strategy: Strategy,
+    *,
+    buckets: Sequence[Bucket] | None = None,
+    optimizer: OptimizerSettings | None = None,
+    steps_per_print: int = 10,
+    extra: dict | None = None,
+    calibration: Calibration | None = None,
+) -> dict[str, Any]:
+    """The DeepSpeed config dict for ``strategy`` (the home layout) with the "ds_stpar" section.
+
+    ``buckets`` (sorted by length, the last one's strategy being ``strategy``) defaults to one
+    bucket of ``train.seq_len``. ``extra`` lands in the section's ``extra`` next to the GPU
+    figures the plan was made with. The ZeRO bucket size is the one the cost model assumed
+    (``calibration.dp_bucket_elements``, DeepSpeed's default 5e8 unless calibrated), and
+    ``overlap_comm`` follows its ``overlap_grad_reduce`` where DeepSpeed can overlap (ZeRO >= 1).
+    """
+    strategy = _megatron_sp(strategy)
+    _check(model, cluster, train, strategy)
+    buckets = (
+        tuple(Bucket(b.max_len, _megatron_sp(b.strategy)) for b in buckets)
+        if buckets
+        else (Bucket(train.seq_len, strategy),)
+    )
+    if buckets[-1].strategy != strategy:
+        raise ConfigError("the longest bucket's strategy must be the home strategy")
+    gas = micro_batches(train, strategy)
+    zero = strategy.zero
+    cal = calibration or Calibration.load_default(cluster.gpu.name)
+    section = StparConfig(
+        model=model,
+        train=train,
+        buckets=buckets,
+        gpu=cluster.gpu.name,
+        gpus_per_node=cluster.gpus_per_node,
+        extra={"num_gpus": cluster.num_gpus, "gpu_spec": dataclasses.asdict(cluster.gpu)}
+        | (extra or {}),
+    )
+    opt = optimizer or OptimizerSettings()
+    return {
+        "train_batch_size": strategy.micro_batch * gas * strategy.layout.dp,
+        "train_micro_batch_size_per_gpu": strategy.micro_batch,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": opt.gradient_clipping,
+        "steps_per_print": steps_per_print,
+        "wall_clock_breakdown": False,
+        **_precision_section(train.dtype),
+        "zero_optimization": {
+            "stage": zero,
+            "overlap_comm": cal.overlap_grad_reduce and zero >= 1 and strategy.layout.dp > 1,
+            "contiguous_gradients": True,
+            "reduce_scatter": True,
+            "reduce_bucket_size": cal.dp_bucket_elements,
+            "allgather_bucket_size": cal.dp_bucket_elements,
+        },
+        **({"zero_allow_untested_optimizer": True} if train.optimizer == "sgd" else {}),
+        "optimizer": _optimizer_section(train.optimizer, opt),
+        "ds_stpar": section.to_dict(),
+    }
+
+
+# --------------------------------------------------------------------------------------
+# Megatron-LM
+# --------------------------------------------------------------------------------------
+
+
+def megatron_env(train: TrainSpec, strategy: Strategy) -> dict[str, str]:
+    """Environment Megatron-LM expects with this strategy.
+
+    Rule 12: CUDA_DEVICE_MAX_CONNECTIONS=1 when t > 1 (TP communication is then scheduled
+    ahead of the GEMMs that need it; Blackwell no longer needs it). Ring/Cannon layers read
+    their mode from DS_STPAR_TP_MODE when Megatron calls the spec function with no argument.
+    """
+    env = dict(rules.megatron_options(train, strategy).env or {})
+    if strategy.layout.tp > 1 and strategy.layout.tp_mode != "megatron":
+        env["DS_STPAR_TP_MODE"] = strategy.layout.tp_mode
+    return env
+
+
+def megatron_args(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    train: TrainSpec,
+    strategy: Strategy,
+    optimizer: OptimizerSettings | None = None,
+) -> list[str]:
+    """Megatron-LM ``pretrain_gpt.py`` arguments (argv tokens) for ``strategy``.
+
+    The switches a strategy does not carry come from :func:`rules.megatron_options`, the
+    values the rules were checked with: full recompute as ``uniform`` with one layer per
+    checkpoint (every layer keeps only its input, the 2sbh of the memory table), selective
+    recompute with no method; the distributed optimizer for ZeRO >= 1; the overlap flags
+    only with data parallelism, ``--overlap-param-gather`` only next to the distributed
+    optimizer and ``--overlap-grad-reduce``. Sequence parallelism is dropped at t = 1.
+    Interleaving relies on Megatron's default overlapped P2P (so p > 1 suffices, rule 4).
+    Tokenizer, data and learning-rate schedule flags are the user's.
+    """
+    strategy = _megatron_sp(strategy)
+    _check(model, cluster, train, strategy)
+    opts = rules.megatron_options(train, strategy)
+    opt = optimizer or OptimizerSettings()
+    layout = strategy.layout
+    t, p = layout.tp, layout.pp
+    args = [
+        "--num-layers", str(model.num_layers),
+        "--hidden-size", str(model.hidden_size),
+        "--ffn-hidden-size", str(model.ffn_hidden_size),
+        "--num-attention-heads", str(model.num_attention_heads),
+    ]  # fmt: skip
+    if model.kv_channels * model.num_attention_heads != model.hidden_size:
+        args += ["--kv-channels", str(model.kv_channels)]
+    if model.num_query_groups != model.num_attention_heads:
+        args += ["--group-query-attention", "--num-query-groups", str(model.num_query_groups)]
+    if model.gated:
+        args.append("--swiglu")
+    args += ["--normalization", "RMSNorm" if model.normalization == "rmsnorm" else "LayerNorm"]
+    if not model.add_bias_linear:
+        args.append("--disable-bias-linear")
+    if not model.tied_embeddings:
+        args.append("--untie-embeddings-and-output-weights")
+    # Megatron-LM defaults both dropouts to 0.1: state the model's.
+    args += ["--hidden-dropout", repr(model.dropout), "--attention-dropout", repr(model.dropout)]
+    rope = model.position_embedding == "rope"
+    args += [
+        "--position-embedding-type", "rope" if rope else "learned_absolute",
+        "--seq-length", str(train.seq_len),
+        # Megatron asserts max_position_embeddings >= seq_length even for RoPE.
+        "--max-position-embeddings",
+        str(max(model.max_position_embeddings, train.seq_len) if rope
+            else model.max_position_embeddings),
+        "--tensor-model-parallel-size", str(t),
+        "--pipeline-model-parallel-size", str(p),
+    ]  # fmt: skip
+    if strategy.sequence_parallel:
+        args.append("--sequence-parallel")
+    if strategy.first_stage_layers:
+        args += ["--decoder-first-pipeline-num-layers", str(strategy.first_stage_layers)]
+    if strategy.last_stage_layers:
+        args += ["--decoder-last-pipeline-num-layers", str(strategy.last_stage_layers)]
+    if strategy.vpp_layers:
+        args += ["--num-layers-per-virtual-pipeline-stage", str(strategy.vpp_layers)]
+    args += [
+        "--micro-batch-size", str(strategy.micro_batch),
+        "--global-batch-size", str(train.global_batch),
+    ]  # fmt: skip
+    if strategy.recompute != "none":
+        args += ["--recompute-granularity", strategy.recompute]
+    if opts.recompute_method:
+        args += ["--recompute-method", opts.recompute_method]
+        args += ["--recompute-num-layers", str(opts.recompute_num_layers)]
+    for flag, on in (
+        ("--use-distributed-optimizer", opts.distributed_optimizer),
+        ("--overlap-grad-reduce", opts.overlap_grad_reduce),
+        ("--overlap-param-gather", opts.overlap_param_gather),
+        ("--bf16", opts.bf16),
+        ("--fp16", opts.fp16),
+    ):
+        if on:
+            args.append(flag)
+    args += [
+        "--optimizer", "sgd" if train.optimizer == "sgd" else "adam",
+        "--lr", repr(opt.lr),
+        "--weight-decay", repr(opt.weight_decay),
+        "--clip-grad", repr(opt.gradient_clipping),
+    ]  # fmt: skip
+    if train.optimizer != "sgd":
+        args += [
+            "--adam-beta1", repr(opt.betas[0]),
+            "--adam-beta2", repr(opt.betas[1]),
+            "--adam-eps", repr(opt.eps),
+        ]  # fmt: skip
+    if t > 1 and layout.tp_mode != "megatron":
+        args += ["--spec", *MEGATRON_SPEC]
+    return args
+
+
+def megatron_args_text(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    train: TrainSpec,
+    strategy: Strategy,
+    optimizer: OptimizerSettings | None = None,
+    prediction: Estimate | None = None,
+) -> str:
+    """megatron_args.txt: comment header (with ``prediction``'s numbers when given),
+    ``NAME=value`` env lines, then one flag per line."""
+    args = megatron_args(model, cluster, train, strategy, optimizer)
+    strategy = _megatron_sp(strategy)
+    lines = [
+        f"# Megatron-LM arguments from ds-stpar for {model.name} on {cluster.num_gpus} x "
+        f"{cluster.gpu.name}, seq {train.seq_len}, global batch {train.global_batch}",
+        f"# strategy: {strategy.short()}",
+        "# use: export $(grep -E '^[A-Z_]+=' megatron_args.txt)",
+        "#      torchrun ... pretrain_gpt.py $(grep '^--' megatron_args.txt) <data/tokenizer flags>",
+    ]
+    if prediction is not None:
+        lines.append(
+            f"# predicted: {prediction.step_time_s:.3f} s per step, "
+            f"{prediction.tokens_per_s:,.0f} tokens/s, peak {prediction.peak_memory_gib:.1f} of "
+            f"{prediction.memory_capacity_gib:.1f} GiB per GPU"
+            + ("" if prediction.fits else " - does NOT fit")
+        )
+    if strategy.zero >= 2:
+        lines.append(
+            f"# ZeRO-{strategy.zero} maps to --use-distributed-optimizer (ZeRO-1): gradients "
+            "and weights stay unsharded under Megatron-LM, so memory exceeds the plan's estimate"
+        )
+    if train.optimizer == "adam":
+        lines.append("# Megatron-LM's adam is AdamW (decoupled weight decay)")
+    lines += [f"{key}={value}" for key, value in megatron_env(train, strategy).items()]
+    for token in args:
+        if token.startswith("--"):
+            lines.append(token)
+        else:
+            lines[-1] += f" {token}"
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------
+
+
+def _md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    """Markdown table; columns without letters (numbers) right-aligned."""
+    cells = [[str(c) for c in row] for row in rows]
+    text = [any(ch.isalpha() for row in cells for ch in row[i]) for i in range(len(headers))]
+    align = ["---" if is_text else "---:" for is_text in text]
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join(align) + "|"]
+    out += ["| " + " | ".join(row) + " |" for row in cells]
+    return out
+
+
+def inputs_summary(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> list[tuple]:
+    """(name, description) rows for the model, the cluster and the training setup."""
+    gpu = cluster.gpu
+    heads = f"{model.num_attention_heads} heads"
+    if model.num_query_groups != model.num_attention_heads:
+        heads += f" ({model.num_query_groups} KV groups)"
+    return [
+        (
+            "model",
+            f"{model.name}: {model.num_params() / 1e9:.2f} B parameters, {model.num_layers} layers, "
+            f"hidden {model.hidden_size}, {heads}, FFN {model.ffn_hidden_size} "
+            f"({model.activation}), vocab {model.vocab_size}",
+        ),
+        (
+            "cluster",
+            f"{cluster.num_gpus} x {gpu.name} ({cluster.gpus_per_node} per node): "
+            f"{gpu.peak_tflops:g} TFLOP/s, {gpu.hbm_gib:.1f} GiB, NVLink {gpu.nvlink_gbs:g} GB/s, "
+            f"network {gpu.internode_gbs:g} GB/s per GPU"
+            + (", measured profile" if cluster.profile is not None else ""),
+        ),
+        (
+            "training",
+            f"seq {train.seq_len}, global batch {train.global_batch} sequences = "
+            f"{train.tokens_per_step:,} tokens per step, {train.dtype}, {train.optimizer}",
+        ),
+    ]
+
+
+def ranked_rows(estimates: Sequence[Estimate]) -> list[tuple]:
+    return [
+        (
+            i,
+            e.strategy.short(),
+            f"{e.step_time_s:.3f}",
+            f"{e.tokens_per_s:,.0f}",
+            f"{e.model_tflops_per_gpu:.1f}",
+            f"{e.mfu:.1%}",
+            f"{e.hfu:.1%}",
+            f"{e.peak_memory_gib:.1f} / {e.memory_capacity_gib:.1f}",
+        )
+        for i, e in enumerate(estimates, 1)
+    ]
+
+
+RANKED_HEADERS = (
+    "#",
+    "strategy",
+    "step (s)",
+    "tokens/s",
+    "model TFLOP/s/GPU",
+    "MFU",
+    "HFU",
+    "peak GiB / capacity",
+)
+
+
+def _breakdown(est: Estimate, train: TrainSpec) -> list[str]:
+    total = est.step_time_s
+    time_rows = [
+        (name, f"{sec:.4f}", f"{sec / total:.1%}" if total else "-")
+        for name, sec in est.time_breakdown.items()
+    ]
+    mem_rows = [(name, f"{gib:.2f}") for name, gib in est.memory_breakdown.items()]
+    gas = micro_batches(train, est.strategy)
+    lines = [
+        f"{gas} micro-batches of {est.strategy.micro_batch} per rank per step; "
+        f"{est.hardware_tflops_per_gpu:.1f} hardware TFLOP/s per GPU; "
+        f"{'fits' if est.fits else 'does NOT fit'} "
+        f"({est.peak_memory_gib:.1f} of {est.memory_capacity_gib:.1f} GiB).",
+        "",
+        *_md_table(("time per step", "seconds", "share"), time_rows),
+        "",
+        *_md_table(("memory per GPU (peak)", "GiB"), mem_rows),
+    ]
+    return lines
+
+
+def report_markdown(
+    result: SearchResult | Sequence[Estimate],
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    train: TrainSpec,
+    detail: int = 3,
+    outputs: Sequence[tuple[str, str]] = (),
+) -> str:
+    """plan.md: inputs, which strategy each output file holds (``outputs``), ranked layouts,
+    time/memory breakdowns of the best ``detail``, rejected layout families with reasons,
+    and the closest layout when nothing fits."""
+    if isinstance(result, SearchResult):
+        top, rejected, closest, considered = (
+            result.top,
+            result.rejected,
+            result.closest,
+            result.considered,
+        )
+    else:
+        top, rejected, closest, considered = list(result), {}, None, len(result)
+    lines = [f"# ds-stpar plan: {model.name} on {cluster.num_gpus} x {cluster.gpu.name}", ""]
+    lines += _md_table(("input", "value"), inputs_summary(model, cluster, train))
+    lines += ["", f"{considered} strategies considered, {len(top)} ranked below.", ""]
+    if outputs:
+        lines += ["## Outputs", "", *_md_table(("file", "strategy"), outputs), ""]
+    if top:
+        lines += ["## Ranked layouts", "", *_md_table(RANKED_HEADERS, ranked_rows(top)), ""]
+        for i, est in enumerate(top[:detail], 1):
+            lines += [f"## {i}. {est.strategy.short()}", "", *_breakdown(est, train), ""]
+    elif closest is not None:
+        lines += [f"## Nothing fits; closest: {closest.strategy.short()}", ""]
+        lines += [*_breakdown(closest, train), ""]
+    if rejected:
+        lines += ["## Rejected layout families", ""]
+        lines += _md_table(("family", "reason"), sorted(rejected.items()))
+        lines.append("")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------
+
+
+def megatron_estimate(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    train: TrainSpec,
+    tp_modes: Sequence[str] = TP_MODES,
+    calibration: Calibration | None = None,
+    allow_tp_across_nodes: bool | None = None,
+) -> Estimate | None:
+    """The fastest strategy as Megatron-LM runs it, for megatron_args.txt (``None`` if none fits).
+
+    Megatron-LM shards only the optimizer state (ZeRO-1, ``--use-distributed-optimizer``) and
+    keeps fp32 main gradients, so the search is redone with 4-byte gradients
+    (``Calibration.grad_bytes``) and only ZeRO <= 1 strategies are taken: a ZeRO-2/3 layout
+    that DeepSpeed fits can run out of memory under Megatron-LM.
+    """
+    cal = (calibration or Calibration.load_default(cluster.gpu.name)).replace(grad_bytes=4)
+    found = search(
+        model,
+        cluster,
+        train,
+        top_k=ALL,
+        tp_modes=tuple(tp_modes),
+        calibration=cal,
+        allow_tp_across_nodes=allow_tp_across_nodes,
+    )
+    return next((e for e in found.top if e.strategy.zero <= 1), None)
+
+
+def plan_files(
+    result: SearchResult | Sequence[Estimate],
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    train: TrainSpec,
+    optimizer: OptimizerSettings | None = None,
+    tp_modes: Sequence[str] = TP_MODES,
+    allow_tp_across_nodes: bool | None = None,
+) -> dict[str, str]:
+    """The contents of the three plan files: ds_stpar.json for the best fitting strategy,
+    megatron_args.txt for :func:`megatron_estimate`'s (the best one with ZeRO capped at 1
+    and a "does NOT fit" warning when nothing fits Megatron-LM), plan.md for all of
+    ``result``."""
+    top = result.top if isinstance(result, SearchResult) else list(result)
+    fitting = [e for e in top if e.fits]
+    if not fitting:
+        raise DoesNotFitError(f"no layout of {model.name} fits; nothing to write")
+    best = fitting[0]
+    predicted = {
+        key: getattr(best, key)
+        for key in ("step_time_s", "tokens_per_s", "mfu", "hfu", "peak_memory_gib")
+    }
+    ds = deepspeed_config(
+        model, cluster, train, best.strategy, optimizer=optimizer, extra={"predicted": predicted}
+    )
+    mega = megatron_estimate(
+        model, cluster, train, tp_modes, allow_tp_across_nodes=allow_tp_across_nodes
+    )
+    if mega is None:
+        capped = dataclasses.replace(best.strategy, zero=min(best.strategy.zero, 1))
+        cal = Calibration.load_default(cluster.gpu.name).replace(grad_bytes=4)
+        mega = estimate(model, cluster, train, capped, cal)
+    outputs = [
+        ("ds_stpar.json", f"{best.strategy.short()} (DeepSpeed), ranked 1"),
+        (
+            "megatron_args.txt",
+            f"{mega.strategy.short()} (Megatron-LM: ZeRO <= 1, fp32 main grads): "
+            f"{mega.step_time_s:.3f} s, {mega.peak_memory_gib:.1f} GiB"
+            + ("" if mega.fits else " - does NOT fit"),
+        ),
+    ]
+    return {
+        "ds_stpar.json": json.dumps(ds, indent=2) + "\n",
+        "megatron_args.txt": megatron_args_text(
+            model, cluster, train, mega.strategy, optimizer, prediction=mega
+        ),
+        "plan.md": report_markdown(result, model, cluster, train, outputs=outputs),
+    }
+
+
+def write_files_atomically(out_dir: str | os.PathLike, files: dict[str, str]) -> list[Path]:
+    """Write ``files`` (name -> text) into ``out_dir`` all-or-nothing.
+
+    Everything is first written into a temporary directory next to ``out_dir`` (same file
+    system, so renames are atomic). A new ``out_dir`` appears in one ``rename`` of that
+    directory; in an existing one each file is ``os.replace``d after checking every target is
+    a plain file or absent, so no replacement can fail half-way for a foreseeable reason.
+    On error nothing of the new plan is left behind.
+    """
+    out = Path(out_dir).absolute()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out_dir}: exists and is not a directory; choose another --out")
+    for name in files:
+        if (out / name).exists() and not (out / name).is_file():
+            raise ConfigError(f"{out / name}: exists and is not a file; remove it first")
+    anchor = out.parent
+    while not anchor.exists():
+        anchor = anchor.parent
+    if not anchor.is_dir():
+        raise ConfigError(f"{out_dir}: {anchor} is a file, not a directory")
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=".ds_stpar-", dir=anchor))
+    except OSError as err:
+        raise ConfigError(f"cannot write into {anchor}: {err.strerror}") from None
+    try:
+        for name, text in files.items():
+            (tmp / name).write_text(text, encoding="utf-8")
+        if out.is_dir():
+            for name in files:
+                os.replace(tmp / name, out / name)
+        else:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; a plan dir is not
+            out.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(tmp, out)
+    except OSError as err:
+        raise ConfigError(f"cannot write the plan to {out_dir}: {err}; nothing written") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return [out / name for name in files]
+
+
+def write_plan(
+    out_dir: str | os.PathLike,
+    result: SearchResult | Sequence[Estimate],
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    train: TrainSpec,
+    optimizer: OptimizerSettings | None = None,
+    tp_modes: Sequence[str] = TP_MODES,
+    allow_tp_across_nodes: bool | None = None,
+) -> list[Path]:
+    """Write ds_stpar.json, megatron_args.txt and plan.md into ``out_dir``, all or nothing.
+
+    All three texts are built in memory first (any rule violation raises before the disk is
+    touched), then written with :func:`write_files_atomically`.
+    """
+    files = plan_files(result, model, cluster, train, optimizer, tp_modes, allow_tp_across_nodes)
+    return write_files_atomically(out_dir, files)

@@ -1,0 +1,204 @@
+"""The ``ds-stpar`` command: run in-process through ``main`` and once as ``python -m ds_stpar``.
+
+Numbers are checked against references computed here from planner.md's closed forms (GPT
+model FLOPs, tokens per step), not against the planner's own functions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ds_stpar.cli import estimate_command, main, plan_command, plan_command_parser
+from ds_stpar.config import MODEL_PRESETS, StparConfig
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _table_rows(out: str) -> list[list[str]]:
+    """Body rows of the first ASCII table in ``out``."""
+    rows, rules = [], 0
+    for line in out.splitlines():
+        if line.startswith("+"):
+            rules += 1
+            if rules == 3:
+                break
+        elif line.startswith("|") and rules == 2:
+            rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def test_default_plan_prints_ranked_table_and_writes_nothing(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, "plan")
+    assert (code, err) == (0, "")
+    # the documented default: gpt3-1.3b on 8 x h100-80g, seq 2048, global batch 512
+    assert "gpt3-1.3b" in out and "8 x h100-80g" in out
+    assert f"{2048 * 512:,} tokens per step" in out
+    rows = _table_rows(out)
+    assert [r[0] for r in rows] == ["1", "2", "3", "4", "5"]
+    tokens_per_s = [float(r[3].replace(",", "")) for r in rows]
+    assert tokens_per_s == sorted(tokens_per_s, reverse=True)  # ranked, fastest first
+    assert all(r[1].startswith("dp") for r in rows)
+    assert os.listdir(tmp_path) == []  # files only with --out
+
+
+def test_plan_json_is_the_only_stdout(capsys):
+    code, out, _ = run(
+        capsys, "plan", "--top", "2", "--global-batch-tokens", str(2048 * 256), "--json"
+    )
+    assert code == 0
+    data = json.loads(out)  # nothing but the JSON object
+    assert data["global_batch"] == 256 and data["tokens_per_step"] == 2048 * 256
+    assert len(data["top"]) == 2 and data["files"] == []
+
+
+def _gpt_model_flops(name: str, seq: int, batch: int) -> float:
+    # planner.md: 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) for GPT (MHA, 4h GeLU MLP)
+    m = MODEL_PRESETS[name]
+    h, l, V = m.hidden_size, m.num_layers, m.vocab_size
+    return 72 * batch * seq * l * h**2 * (1 + seq / (6 * h) + V / (12 * l * h))
+
+
+def test_estimate_json_fields_against_closed_forms(capsys):
+    argv = ["estimate", "--model", "gpt3-2.7b", "--gpus", "8", "--tp", "2", "--pp", "2"]
+    argv += ["--micro-batch", "2", "--global-batch", "64", "--recompute", "full", "--sp", "--json"]
+    code, out, _ = run(capsys, *argv)
+    assert code == 0
+    est = json.loads(out)
+    for key in (
+        "step_time_s", "tokens_per_s", "model_tflops_per_gpu", "hardware_tflops_per_gpu",
+        "mfu", "hfu", "peak_memory_gib", "fits", "breakdown",
+    ):  # fmt: skip
+        assert key in est
+    step = est["step_time_s"]
+    # float round-off only: 1e-9 relative
+    assert est["tokens_per_s"] * step == pytest.approx(2048 * 64, rel=1e-9)
+    model_tflops = _gpt_model_flops("gpt3-2.7b", 2048, 64) / step / 8 / 1e12
+    assert est["model_tflops_per_gpu"] == pytest.approx(model_tflops, rel=1e-9)
+    assert est["mfu"] == pytest.approx(model_tflops / 989.0, rel=1e-9)
+    assert est["hfu"] > est["mfu"]  # full recompute runs the forward again
+    assert sum(est["breakdown"]["time_s"].values()) == pytest.approx(step, rel=1e-9)
+    assert sum(est["breakdown"]["memory_gib"].values()) == pytest.approx(
+        est["peak_memory_gib"], rel=1e-9
+    )
+    assert est["fits"] == (est["peak_memory_gib"] <= est["memory_capacity_gib"])
+    assert est["strategy"]["layout"] == {"dp": 2, "tp": 2, "pp": 2, "tp_mode": "megatron"}
+
+
+def test_gpu_figures_are_overridable(capsys):
+    code, out, _ = run(capsys, "estimate", "--hbm-gib", "40", "--peak-tflops", "500", "--json")
+    assert code == 0
+    est = json.loads(out)
+    assert est["memory_capacity_gib"] == 40.0
+    assert est["mfu"] == pytest.approx(est["model_tflops_per_gpu"] / 500.0, rel=1e-9)
+
+
+def test_nothing_fits_names_closest_and_remedy(capsys, tmp_path):
+    out_dir = tmp_path / "plan"
+    code, out, err = run(capsys, "plan", "--model", "gpt3-175b", "--out", str(out_dir))
+    assert code == 2
+    assert err.startswith("ds-stpar: error: no layout of gpt3-175b")
+    assert "closest: dp" in err and "GiB short" in err
+    assert "would fit: --gpus " in err  # a larger cluster that was searched and fits
+    assert "Traceback" not in err and err.count("\n") == 1
+    assert not out_dir.exists()
+
+
+def test_broken_rule_in_estimate_names_rule_and_numbers(capsys):
+    code, _, err = run(capsys, "estimate", "--model", "gpt3-125m", "--tp", "8")
+    assert code == 2
+    assert "rule 7: num_attention_heads 12 % tp 8" in err
+    code, _, err = run(capsys, "estimate", "--tp", "3")
+    assert code == 2 and "rule 1: 8 GPUs is not a multiple of tp 3" in err
+
+
+def test_unknown_preset_lists_presets(capsys):
+    code, _, err = run(capsys, "plan", "--model", "llama9-1t")
+    assert code == 2
+    assert "unknown model 'llama9-1t'" in err and "llama3-8b" in err and "gpt3-1.3b" in err
+
+
+def test_malformed_model_json_names_line_and_column(capsys, tmp_path):
+    path = tmp_path / "model.json"
+    path.write_text('{\n  "num_layers": 2,\n  "hidden_size": ,\n}')
+    code, _, err = run(capsys, "estimate", "--model", str(path))
+    assert code == 2
+    assert f"{path}:3:18: malformed JSON" in err
+
+
+def test_out_writes_three_files(capsys, tmp_path):
+    out_dir = tmp_path / "runs" / "plan"
+    code, out, _ = run(
+        capsys, "plan", "--model", "llama3-8b", "--gpus", "16", "--out", str(out_dir)
+    )
+    assert code == 0
+    assert sorted(os.listdir(out_dir)) == ["ds_stpar.json", "megatron_args.txt", "plan.md"]
+    plan = StparConfig.from_deepspeed_json(str(out_dir / "ds_stpar.json"))
+    assert plan.model == MODEL_PRESETS["llama3-8b"] and plan.world_size == 16
+    assert plan.home.short() in out  # the written plan is the ranked best
+    args = (out_dir / "megatron_args.txt").read_text()
+    assert "--global-batch-size 512\n" in args and "--num-query-groups 8\n" in args
+    assert "## Ranked layouts" in (out_dir / "plan.md").read_text()
+
+
+def test_failed_write_leaves_nothing(capsys, tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    code, _, err = run(capsys, "plan", "--out", str(blocker / "plan"))
+    assert code == 2 and "is a file, not a directory" in err
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "plan.md").mkdir()  # the last of the three files cannot be written
+    code, _, err = run(capsys, "plan", "--out", str(existing))
+    assert code == 2 and "plan.md: exists and is not a file" in err
+    assert sorted(os.listdir(tmp_path)) == ["existing", "not-a-dir"]  # no temporary left
+    assert os.listdir(existing) == ["plan.md"]  # ds_stpar.json was not written
+
+
+def test_global_batch_tokens_must_be_whole_sequences(capsys):
+    code, _, err = run(capsys, "plan", "--global-batch-tokens", "1000")
+    assert code == 2 and "not a whole number of 2048-token sequences" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_profile_without_cuda_is_a_clear_error(capsys, tmp_path):
+    target = tmp_path / "profile.json"
+    code, _, err = run(capsys, "profile", "--out", str(target))
+    assert code == 2 and "needs a CUDA GPU" in err and "Traceback" not in err
+    assert not target.exists()
+
+
+def test_subcommand_parsers_work_alone():
+    args = plan_command_parser().parse_args(["--gpus", "16", "--tp-modes", "ring"])
+    assert (args.gpus, args.tp_modes, args.func) == (16, ["ring"], plan_command)
+    from ds_stpar.cli import estimate_command_parser
+
+    assert estimate_command_parser().parse_args(["--tp", "2"]).func is estimate_command
+
+
+def test_python_m_entry_point():
+    """The console entry point as a user runs it: JSON on stdout, errors on stderr, exit 2."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    ok = subprocess.run(
+        [sys.executable, "-m", "ds_stpar", "estimate", "--tp", "2", "--sp", "--json"],
+        capture_output=True, text=True, env=env, check=False,
+    )  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["strategy"]["layout"]["tp"] == 2
+    bad = subprocess.run(
+        [sys.executable, "-m", "ds_stpar", "plan", "--model", "nope"],
+        capture_output=True, text=True, env=env, check=False,
+    )  # fmt: skip
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("ds-stpar: error: unknown model 'nope'")
+    assert "Traceback" not in bad.stderr
