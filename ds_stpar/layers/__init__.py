@@ -1,1 +1,52 @@
-"""layers"""
+"""Spatial-temporal ("temporal-partition") linear layers and their communication patterns.
+
+- :class:`TemporalColumnParallelLinear`, :class:`TemporalRowParallelLinear`: drop-ins for
+  Megatron-core's ColumnParallelLinear / RowParallelLinear (``tp_mode`` "ring" or "cannon").
+- ``comm``: batched-P2P patterns (ring shift, rotating accumulator, torus shifts, block
+  exchange), each a differentiable function taking an explicit process group.
+- ``megatron_weight_order`` / ``shard_offsets`` / ``take_block``: how a weight is sharded.
+"""
+
+from ds_stpar.layers.comm import (
+    ExchangePlan,
+    Message,
+    PendingP2P,
+    TorusGrid,
+    exchange,
+    ring_all_gather,
+    ring_pass,
+    ring_reduce_scatter,
+    ring_shift,
+    start_p2p,
+    torus_shift,
+)
+from ds_stpar.layers.linear import (
+    TP_MODES,
+    TemporalColumnParallelLinear,
+    TemporalRowParallelLinear,
+    megatron_weight_order,
+    resolve_tp_group,
+    shard_offsets,
+    take_block,
+)
+
+__all__ = [
+    "TP_MODES",
+    "ExchangePlan",
+    "Message",
+    "PendingP2P",
+    "TemporalColumnParallelLinear",
+    "TemporalRowParallelLinear",
+    "TorusGrid",
+    "exchange",
+    "megatron_weight_order",
+    "resolve_tp_group",
+    "ring_all_gather",
+    "ring_pass",
+    "ring_reduce_scatter",
+    "ring_shift",
+    "shard_offsets",
+    "start_p2p",
+    "take_block",
+    "torus_shift",
+]

@@ -59,6 +59,8 @@ class SDPACoreAttention(MegatronModule):
     ) -> Tensor:
         if attention_bias is not None:
             raise ValueError("SDPACoreAttention does not take an attention bias")
+        if query.dim() == 3:  # qkv_format="thd": Megatron squeezed the batch of 1: [t, n, d]
+            query, key, value = (t.unsqueeze(1) for t in (query, key, value))
         seq, batch, heads, dim = query.shape
         # [s, b, n, d] -> [b, n, s, d]; GQA: SDPA broadcasts groups with enable_gqa
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))

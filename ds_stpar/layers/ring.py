@@ -1,0 +1,129 @@
+"""Instance A of temporal-partition.md: the 1-D ring, P ranks, P steps.
+
+Boundary layouts are Megatron's with sequence parallelism, so the two functions chain
+(QKV -> out-proj, fc1 -> fc2) with no re-layout. Notation: Y = X W^T as ``F.linear``; M tokens
+(sequence-major, so sequence chunk c of P is a contiguous block of rows), rank d of P.
+
+Column, ``y_shard_n = ring_column_linear(x_shard_m, w_shard_n)``::
+
+    x_shard_m [M/P, K] (chunk d)   w_shard_n [N/P, K]   ->   y_shard_n [M, N/P]
+    forward:  chunks of X rotate (d -> d-1);  step t: Y[c] = X[c] W_d^T,  c = (d+t) % P
+    backward: dX[d] = sum_e dY_e[d] W_e     by the rotating accumulator (no reduce-scatter)
+              dW_d  = sum_c dY[c]^T X[c]    local, X chunks rotating again (not saved)
+
+Row, ``y_shard_m = ring_row_linear(x_shard_k, w_shard_k)``::
+
+    x_shard_k [M, K/P]   w_shard_k [N, K/P]   ->   y_shard_m [M/P, N] (chunk d)
+    forward:  Y[d] = sum_e X_e[d] W_e^T     by the rotating accumulator (no reduce-scatter)
+    backward: chunks of dY rotate; step t: dX[c] = dY[c] W_d,  dW_d += dY[c]^T X[c]
+
+Versus Megatron TP+SP: the all-gather / reduce-scatter become P-1 neighbour hops of the same
+volume ((P-1)/P of the activation) of which only the first is exposed, the rest hiding behind
+the sub-GEMMs; no all-reduce; the column saves only its local input chunk and never holds the
+gathered [M, K] input, the row never holds the [M, N] pre-reduction partial output.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ds_stpar.layers.comm import Group, ring_pass
+from ds_stpar.layers.wgrad import WeightGrad
+
+
+def _rows(x: Tensor, index: int, rows: int) -> Tensor:
+    return x[index * rows : (index + 1) * rows]
+
+
+class _RingColumnLinear(torch.autograd.Function):
+    """forward: rotate X chunks, one sub-GEMM per step; backward: rotating accumulator for
+    dX and a second rotation of X for the local dW (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x_shard_m: Tensor, w_shard_n: Tensor, group: Group, main_grad):
+        size = group.size()
+        x_tokens = x_shard_m.reshape(-1, x_shard_m.shape[-1])
+        rows = x_tokens.shape[0]
+        y_tokens = x_tokens.new_empty(size * rows, w_shard_n.shape[0])
+        ring_pass(
+            group,
+            rotate=x_tokens,
+            visit=lambda c, x_c: torch.mm(x_c, w_shard_n.t(), out=_rows(y_tokens, c, rows)),
+        )
+        ctx.save_for_backward(x_shard_m, w_shard_n)
+        ctx.group, ctx.main_grad = group, main_grad
+        return y_tokens.view(size * x_shard_m.shape[0], *x_shard_m.shape[1:-1], -1)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        x_shard_m, w_shard_n = ctx.saved_tensors
+        x_tokens = x_shard_m.reshape(-1, x_shard_m.shape[-1])
+        rows = x_tokens.shape[0]
+        dy_tokens = grad_output.contiguous().view(-1, w_shard_n.shape[0])
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        wgrad = WeightGrad(w_shard_n, ctx.main_grad) if need_dw else None
+        dx_tokens = ring_pass(
+            ctx.group,
+            rotate=x_tokens if need_dw else None,
+            visit=(lambda c, x_c: wgrad.add(_rows(dy_tokens, c, rows), x_c)) if need_dw else None,
+            partial=(lambda m: _rows(dy_tokens, m, rows) @ w_shard_n) if need_dx else None,
+        )
+        dx = dx_tokens.view(x_shard_m.shape) if need_dx else None
+        dw = wgrad.result(x_shard_m.dtype) if need_dw else None
+        return dx, dw, None, None
+
+
+class _RingRowLinear(torch.autograd.Function):
+    """forward: rotating accumulator of the partial outputs; backward: rotate dY chunks,
+    writing dX[c] in place and accumulating dW locally (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x_shard_k: Tensor, w_shard_k: Tensor, group: Group, main_grad):
+        size = group.size()
+        x_tokens = x_shard_k.reshape(-1, x_shard_k.shape[-1])
+        rows = x_tokens.shape[0] // size
+        y_tokens = ring_pass(group, partial=lambda m: _rows(x_tokens, m, rows) @ w_shard_k.t())
+        ctx.save_for_backward(x_shard_k, w_shard_k)
+        ctx.group, ctx.main_grad = group, main_grad
+        return y_tokens.view(x_shard_k.shape[0] // size, *x_shard_k.shape[1:-1], -1)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        x_shard_k, w_shard_k = ctx.saved_tensors
+        x_tokens = x_shard_k.reshape(-1, x_shard_k.shape[-1])
+        rows = x_tokens.shape[0] // ctx.group.size()
+        dy_tokens = grad_output.contiguous().view(rows, w_shard_k.shape[0])
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        wgrad = WeightGrad(w_shard_k, ctx.main_grad) if need_dw else None
+        dx_tokens = torch.empty_like(x_tokens) if need_dx else None
+
+        def visit(c: int, dy_c: Tensor) -> None:
+            if need_dx:
+                torch.mm(dy_c, w_shard_k, out=_rows(dx_tokens, c, rows))
+            if need_dw:
+                wgrad.add(dy_c, _rows(x_tokens, c, rows))
+
+        if need_dx or need_dw:
+            ring_pass(ctx.group, rotate=dy_tokens, visit=visit)
+        dx = dx_tokens.view(x_shard_k.shape) if need_dx else None
+        dw = wgrad.result(x_shard_k.dtype) if need_dw else None
+        return dx, dw, None, None
+
+
+def ring_column_linear(
+    x_shard_m: Tensor, w_shard_n: Tensor, group: Group, main_grad: Tensor | None = None
+) -> Tensor:
+    """[s/P, b, K] (sequence chunk d) x [N/P, K] -> [s, b, N/P]; see the module docstring.
+
+    ``main_grad``: accumulate dW there in fp32 and return no weight gradient (Megatron's
+    gradient_accumulation_fusion); ``None`` returns dW as the gradient.
+    """
+    return _RingColumnLinear.apply(x_shard_m.contiguous(), w_shard_n, group, main_grad)
+
+
+def ring_row_linear(
+    x_shard_k: Tensor, w_shard_k: Tensor, group: Group, main_grad: Tensor | None = None
+) -> Tensor:
+    """[s, b, K/P] x [N, K/P] -> [s/P, b, N] (sequence chunk d); s must divide by P."""
+    return _RingRowLinear.apply(x_shard_k.contiguous(), w_shard_k, group, main_grad)
