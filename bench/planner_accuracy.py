@@ -50,6 +50,7 @@ GPU_CASES = [
     Case("gpt3-1.3b", 4096, 16, 2, dp=1, tp=1, pp=2),
     Case("gpt3-760m", 8192, 8, 1, dp=1, tp=2, pp=1),
     Case("gpt3-125m", 4096, 32, 8, dp=2, tp=1, pp=1),
+    Case("gpt3-1.3b", 4096, 8, 1, dp=1, tp=2, pp=1),
     Case("gpt3-1.3b", 4096, 8, 1, dp=1, tp=2, pp=1, tp_mode="ring"),
     Case("gpt3-1.3b", 8192, 8, 1, dp=1, tp=2, pp=1, recompute="full"),
 ]
@@ -66,9 +67,13 @@ def model_spec(name: str):
 
 
 def predict(case: Case, spec, gpu_name: str, world: int):
-    from ds_stpar.planner.cost import estimate
+    """The planner's estimate for the measured setup: Megatron DDP keeps fp32 main grads and
+    reduces them after backward (overlap_grad_reduce=False in run_case)."""
+    import dataclasses
 
     from ds_stpar.config import ClusterSpec, Layout, Strategy, TrainSpec, load_gpu
+    from ds_stpar.planner.cost import estimate
+    from ds_stpar.planner.profile import Calibration
 
     strategy = Strategy(
         Layout(case.dp, case.tp, case.pp, case.tp_mode),
@@ -77,11 +82,27 @@ def predict(case: Case, spec, gpu_name: str, world: int):
         recompute=case.recompute,
         sequence_parallel=case.tp > 1,
     )
+    calibration = dataclasses.replace(
+        Calibration.load_default(gpu_name), grad_bytes=4, overlap_grad_reduce=False
+    )
     cluster = ClusterSpec(load_gpu(gpu_name), num_gpus=world, gpus_per_node=world)
-    return estimate(spec, cluster, TrainSpec(case.seq_len, case.global_batch), strategy)
+    return estimate(
+        spec, cluster, TrainSpec(case.seq_len, case.global_batch), strategy, calibration
+    )
 
 
-def run_case(case: Case, device: torch.device, steps: int, warmup: int) -> dict:
+def predicted_allocated_gib(pred) -> float:
+    """Peak bytes the caching allocator hands out (what max_memory_allocated sees): the
+    planner's peak minus the CUDA context/runtime reserve and the fragmentation headroom."""
+    mem = pred.memory_breakdown
+    return (
+        pred.peak_memory_gib - mem.get("runtime_reserved", 0.0) - mem.get("allocator_headroom", 0.0)
+    )
+
+
+def run_case(
+    case: Case, device: torch.device, steps: int, warmup: int, profile: bool = False
+) -> dict:
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -143,7 +164,16 @@ def run_case(case: Case, device: torch.device, steps: int, warmup: int) -> dict:
 
     forward_backward = get_forward_backward_func()
     times = []
+    profiler = None
     for step in range(warmup + steps):
+        if profile and step == warmup:
+            profiler = torch.profiler.profile(
+                activities=[
+                    torch.profiler.ProfilerActivity.CPU,
+                    torch.profiler.ProfilerActivity.CUDA,
+                ]
+            )
+            profiler.__enter__()
         if step == warmup:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -162,6 +192,13 @@ def run_case(case: Case, device: torch.device, steps: int, warmup: int) -> dict:
         torch.cuda.synchronize()
         if step >= warmup:
             times.append(time.perf_counter() - start)
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        if dist.get_rank() == 0:
+            table = profiler.key_averages().table(
+                sort_by="cuda_time_total", row_limit=25, max_name_column_width=60
+            )
+            print(f"profile of {case} over {steps} steps:\n{table}", flush=True)
     peak = torch.cuda.max_memory_allocated() / 2**30
     peak_t = torch.tensor([peak], device=device)
     dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
@@ -181,6 +218,9 @@ def main() -> None:
     parser.add_argument("--only", type=int, nargs="*", help="indices of cases to run")
     parser.add_argument(
         "--gpu", default=None, help="planner GPU preset (default: from the device name)"
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="print a torch.profiler table per case"
     )
     parser.add_argument("--out", default=None, help="write the measured rows as JSON here (rank 0)")
     parser.add_argument(
@@ -209,7 +249,7 @@ def main() -> None:
         if case.dp * case.tp * case.pp != world:
             continue
         try:
-            measured = run_case(case, device, args.steps, args.warmup)
+            measured = run_case(case, device, args.steps, args.warmup, args.profile)
         except Exception:  # the peer rank may now hang in a collective: stop the run
             print(f"FAILED {case}:\n{traceback.format_exc()}", flush=True)
             os._exit(1)
@@ -239,7 +279,10 @@ def print_table(rows: list[dict]) -> None:
     print(
         f"\nplanner accuracy on {rows[0]['world']} x {rows[0]['card']} (planner preset {rows[0]['gpu']})"
     )
-    head = "| model | seq | gbs | mbs | dp | tp | pp | mode | recompute | step s meas | pred | err | peak GiB meas | pred | err |"
+    head = (
+        "| model | seq | gbs | mbs | dp | tp | pp | mode | recompute | step s meas | pred | err "
+        "| peak allocated GiB meas | pred | err |"
+    )
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     t_err, m_err = [], []
@@ -247,13 +290,14 @@ def print_table(rows: list[dict]) -> None:
         case = Case(**{k: r[k] for k in Case.__dataclass_fields__})
         pred = predict(case, model_spec(case.model), r["gpu"], r["world"])
         te = pred.step_time_s / r["step_s"] - 1
-        me = pred.peak_memory_gib / r["peak_gib"] - 1
+        pred_alloc = predicted_allocated_gib(pred)
+        me = pred_alloc / r["peak_gib"] - 1
         t_err.append(abs(te))
         m_err.append(abs(me))
         print(
             f"| {r['model']} | {r['seq_len']} | {r['global_batch']} | {r['micro_batch']} | {r['dp']} | {r['tp']} "
             f"| {r['pp']} | {r['tp_mode']} | {r['recompute']} | {r['step_s']:.3f} | {pred.step_time_s:.3f} "
-            f"| {te:+.1%} | {r['peak_gib']:.2f} | {pred.peak_memory_gib:.2f} | {me:+.1%} |"
+            f"| {te:+.1%} | {r['peak_gib']:.2f} | {pred_alloc:.2f} | {me:+.1%} |"
         )
     print(
         f"median |error|: step time {statistics.median(t_err):.1%}, peak memory {statistics.median(m_err):.1%}"
