@@ -5,6 +5,8 @@
 - ``comm``: batched-P2P patterns (ring shift, rotating accumulator, torus shifts, block
   exchange), each a differentiable function taking an explicit process group.
 - ``megatron_weight_order`` / ``shard_offsets`` / ``take_block``: how a weight is sharded.
+- :func:`apply_stpar` / :func:`full_state_dict`: shard a HuggingFace causal LM through its
+  ``base_model_tp_plan`` and gather it back (``hf.py``).
 """
 
 from ds_stpar.layers.comm import (
@@ -20,6 +22,7 @@ from ds_stpar.layers.comm import (
     start_p2p,
     torus_shift,
 )
+from ds_stpar.layers.hf import apply_stpar, full_state_dict
 from ds_stpar.layers.linear import (
     TP_MODES,
     TemporalColumnParallelLinear,
@@ -38,7 +41,9 @@ __all__ = [
     "TemporalColumnParallelLinear",
     "TemporalRowParallelLinear",
     "TorusGrid",
+    "apply_stpar",
     "exchange",
+    "full_state_dict",
     "megatron_weight_order",
     "resolve_tp_group",
     "ring_all_gather",
