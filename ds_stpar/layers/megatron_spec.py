@@ -1,8 +1,10 @@
 """Megatron-core spec for GPT layers built from ds_stpar's layers.
 
-``get_gpt_layer_stpar_spec(tp_mode=...)`` is what Megatron-LM's ``--spec
-ds_stpar.layers.megatron_spec get_gpt_layer_stpar_spec`` calls (with no arguments the mode
-comes from ``DS_STPAR_TP_MODE``, default ``ring``). The layer structure is Megatron's own
+``get_gpt_layer_stpar_spec(tp_mode=...)`` builds the layer spec. Megatron-LM's ``--spec
+MODULE NAME`` passes the object it names to ``GPTModel`` as it is (it does not call it), so
+Megatron-LM users give ``--spec ds_stpar.layers.megatron_spec gpt_layer_stpar_spec``: a
+module-level spec built at import in the mode ``DS_STPAR_TP_MODE`` names (default ``ring``).
+The layer structure is Megatron's own
 (``TransformerLayer``, ``SelfAttention``, ``MLP``, bias-dropout-add; so the per-rank QKV
 ordering and the GLU interleaving of fc1 are Megatron's); :class:`StparSpecProvider` swaps:
 
@@ -119,3 +121,8 @@ def get_gpt_block_stpar_spec(
     return TransformerBlockSubmodules(
         layer_specs=[get_gpt_layer_stpar_spec(tp_mode)] * layers, layer_norm=SequenceParallelNorm
     )
+
+
+#: The spec object Megatron-LM's ``--spec ds_stpar.layers.megatron_spec gpt_layer_stpar_spec``
+#: imports (Megatron-LM hands the named object to GPTModel without calling it).
+gpt_layer_stpar_spec: ModuleSpec = get_gpt_layer_stpar_spec()
