@@ -66,9 +66,12 @@ def model_spec(name: str):
     return dataclasses.replace(spec, vocab_size=-(-spec.vocab_size // 256) * 256)
 
 
-def predict(case: Case, spec, gpu_name: str, world: int):
-    """The planner's estimate for the measured setup: Megatron DDP keeps fp32 main grads and
-    reduces them after backward (overlap_grad_reduce=False in run_case)."""
+def predict(case: Case, spec, gpu_name: str, world: int, profile=None):
+    """The planner's estimate for the measured setup, on megatron-core's local stack
+    (``Calibration.load_default(gpu, stack="megatron-core-local")``: Megatron DDP with fp32
+    main grads reduced after backward, unfused PyTorch kernels, host time per layer). The
+    learned position table has ``seq_len`` rows (``GPTModel(max_sequence_length=seq_len)``
+    in :func:`run_case`). ``profile``: measured link bandwidths (:func:`link_profile`)."""
     import dataclasses
 
     from ds_stpar.config import ClusterSpec, Layout, Strategy, TrainSpec, load_gpu
@@ -82,13 +85,26 @@ def predict(case: Case, spec, gpu_name: str, world: int):
         recompute=case.recompute,
         sequence_parallel=case.tp > 1,
     )
-    calibration = dataclasses.replace(
-        Calibration.load_default(gpu_name), grad_bytes=4, overlap_grad_reduce=False
-    )
-    cluster = ClusterSpec(load_gpu(gpu_name), num_gpus=world, gpus_per_node=world)
+    calibration = Calibration.load_default(gpu_name, stack="megatron-core-local")
+    spec = dataclasses.replace(spec, max_position_embeddings=case.seq_len)
+    cluster = ClusterSpec(load_gpu(gpu_name), num_gpus=world, gpus_per_node=world, profile=profile)
     return estimate(
         spec, cluster, TrainSpec(case.seq_len, case.global_batch), strategy, calibration
     )
+
+
+def link_profile(path: str, gpu_name: str):
+    """Measured 2-GPU link bandwidths from ``bench/layers.py``'s JSON of the same machine
+    (:meth:`~ds_stpar.planner.profile.Profile.from_layers_benchmark`); ``None`` when the
+    file is missing (the planner then uses the GPU preset)."""
+    from ds_stpar.config import load_gpu
+    from ds_stpar.planner.profile import Profile
+
+    if not os.path.exists(path):
+        return None
+    with open(path) as handle:
+        data = json.load(handle)
+    return Profile.from_layers_benchmark(data, gpu_name, load_gpu(gpu_name).intra_latency_us * 1e-6)
 
 
 def predicted_allocated_gib(pred) -> float:
@@ -224,12 +240,20 @@ def main() -> None:
     )
     parser.add_argument("--out", default=None, help="write the measured rows as JSON here (rank 0)")
     parser.add_argument(
-        "--report", default=None, help="print the table for saved measurements and exit"
+        "--report",
+        nargs="+",
+        default=None,
+        help="print the table for saved measurements (one or more JSON files) and exit; link "
+        "bandwidths come from layers-nvlink.json beside the first file when it is there",
     )
     args = parser.parse_args()
     if args.report:
-        with open(args.report) as handle:
-            print_table(json.load(handle))
+        rows = []
+        for path in args.report:
+            with open(path) as handle:
+                rows.extend(json.load(handle))
+        links = os.path.join(os.path.dirname(args.report[0]), "layers-nvlink.json")
+        print_table(rows, link_profile(links, rows[0]["gpu"]))
         return
 
     if not torch.cuda.is_available():
@@ -275,32 +299,39 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def print_table(rows: list[dict]) -> None:
+def print_table(rows: list[dict], profile=None) -> None:
+    """Predicted vs measured per row and the median |error| of step time and peak memory;
+    ``bound`` says whether the planner finds the host (CPU) or the GPU setting the pace."""
+    links = "measured link bandwidths" if profile is not None else "preset link bandwidths"
     print(
-        f"\nplanner accuracy on {rows[0]['world']} x {rows[0]['card']} (planner preset {rows[0]['gpu']})"
+        f"\nplanner accuracy on {rows[0]['world']} x {rows[0]['card']} (planner preset "
+        f"{rows[0]['gpu']}, stack megatron-core-local, {links})"
     )
     head = (
         "| model | seq | gbs | mbs | dp | tp | pp | mode | recompute | step s meas | pred | err "
-        "| peak allocated GiB meas | pred | err |"
+        "| bound | peak allocated GiB meas | pred | err |"
     )
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     t_err, m_err = [], []
     for r in rows:
         case = Case(**{k: r[k] for k in Case.__dataclass_fields__})
-        pred = predict(case, model_spec(case.model), r["gpu"], r["world"])
+        pred = predict(case, model_spec(case.model), r["gpu"], r["world"], profile)
         te = pred.step_time_s / r["step_s"] - 1
         pred_alloc = predicted_allocated_gib(pred)
         me = pred_alloc / r["peak_gib"] - 1
         t_err.append(abs(te))
         m_err.append(abs(me))
+        bound = "host" if pred.time_breakdown.get("host_bound", 0.0) > 0 else "GPU"
         print(
-            f"| {r['model']} | {r['seq_len']} | {r['global_batch']} | {r['micro_batch']} | {r['dp']} | {r['tp']} "
-            f"| {r['pp']} | {r['tp_mode']} | {r['recompute']} | {r['step_s']:.3f} | {pred.step_time_s:.3f} "
-            f"| {te:+.1%} | {r['peak_gib']:.2f} | {pred_alloc:.2f} | {me:+.1%} |"
+            f"| {r['model']} | {r['seq_len']} | {r['global_batch']} | {r['micro_batch']} "
+            f"| {r['dp']} | {r['tp']} | {r['pp']} | {r['tp_mode']} | {r['recompute']} "
+            f"| {r['step_s']:.3f} | {pred.step_time_s:.3f} | {te:+.1%} | {bound} "
+            f"| {r['peak_gib']:.2f} | {pred_alloc:.2f} | {me:+.1%} |"
         )
     print(
-        f"median |error|: step time {statistics.median(t_err):.1%}, peak memory {statistics.median(m_err):.1%}"
+        f"median |error| over {len(rows)} rows: step time {statistics.median(t_err):.1%}, "
+        f"peak memory {statistics.median(m_err):.1%}"
     )
 
 

@@ -8,7 +8,16 @@ already applied. :class:`Speed` turns work into seconds:
   shape) under a roofline, so small and skinny GEMMs run slower;
 - flash attention takes its FLOPs over ``peak x flash_fraction``;
 - memory-bound kernels (norms, activations, dropout-add, softmax of unfused attention,
-  the optimizer) take their bytes over ``HBM x memory_efficiency``.
+  the optimizer) take their bytes over ``HBM x memory_efficiency``; on megatron-core's
+  local stack (``Calibration.stack``) its out-of-place bias / residual adds and its fp32
+  main-gradient accumulation take theirs over ``HBM x elementwise_efficiency``, the
+  efficiency measured for those kernels (:meth:`Speed.elementwise`).
+
+The elementwise passes of the two stacks are counted apart: the fused stack of the published
+runs (:func:`block_elementwise`, :func:`lm_head`, :func:`embedding`) and megatron-core's
+local modules (the ``local_*`` functions), whose passes are read off their code
+(``transformer_layer.py``, ``mlp.py``, ``fused_bias_dropout.py`` unfused path,
+``tensor_parallel/cross_entropy.py``, torch's LayerNorm / GeLU / embedding kernels).
 
 Causal convention: model FLOPs count the full s^2 of attention (the 72-formula of
 planner.md). Time: flash attention skips masked blocks, so it runs half the s^2 FLOPs;
@@ -21,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ds_stpar.config import GPUSpec, ModelSpec
+from ds_stpar.planner.memory import norm_stat_bytes
 from ds_stpar.planner.profile import Calibration, Profile
 
 FLASH_BACKWARD_RATIO = 2.5  # flash backward runs 5 s^2 GEMMs per head to the forward's 2
@@ -60,6 +70,8 @@ class Speed:
         # fp32 runs on TF32 tensor cores: half the 16-bit dense peak on A100/H100/H200.
         self.peak = gpu.peak_tflops * 1e12 / (2 if e == 4 else 1)
         self.hbm = gpu.hbm_gbs * 1e9 * cal.memory_efficiency
+        unfused = cal.elementwise_efficiency if cal.local else cal.memory_efficiency
+        self.hbm_elementwise = gpu.hbm_gbs * 1e9 * unfused
         self._cache: dict[tuple[float, float, float], float] = {}
 
     def gemm(self, g: Gemm) -> float:
@@ -85,6 +97,12 @@ class Speed:
 
     def memory(self, nbytes: float) -> float:
         return nbytes / self.hbm
+
+    def elementwise(self, nbytes: float) -> float:
+        """Seconds of standalone add kernels moving ``nbytes``: on the local stack the
+        broadcast bias / residual adds and the mixed-dtype main-gradient accumulation (at
+        ``elementwise_efficiency``), elsewhere any kernel (``memory_efficiency``)."""
+        return nbytes / self.hbm_elementwise
 
     def flash(self, flops: float) -> float:
         return flops / (self.peak * self.cal.flash_fraction)
@@ -185,7 +203,10 @@ def block_elementwise(
     their masks (1 each); inside the TP region (1/t): GeLU reads and writes f (2e f), SwiGLU
     reads 2f and writes f (3e f), RoPE reads and writes q + kv (2e (q + kv)).
     Backward moves ``ELEMENTWISE_BACKWARD_RATIO`` times the forward bytes.
+    On the local stack: :func:`local_block_elementwise`.
     """
+    if speed.cal.local:
+        return local_block_elementwise(model, tokens, tp, sharded_boundary, speed)
     e, h = speed.e, model.hidden_size
     r = tp if sharded_boundary else 1
     residual = 2 * 2 * e + 2 * 3 * e + (2 * MASK_BYTES if model.dropout > 0 else 0)
@@ -198,7 +219,10 @@ def block_elementwise(
 
 def lm_head(model: ModelSpec, tokens: float, tp: int, speed: Speed) -> Phase:
     """Final norm, the vocab-parallel LM head GEMM and the fp32 vocab-parallel cross entropy.
-    Cross-entropy bytes per logit: cast e + 4, max 4, exp r+w 8, sum 4, grad 4 + e."""
+    Cross-entropy bytes per logit: cast e + 4, max 4, exp r+w 8, sum 4, grad 4 + e.
+    On the local stack: :func:`local_lm_head`."""
+    if speed.cal.local:
+        return local_lm_head(model, tokens, tp, speed)
     h, e = model.hidden_size, speed.e
     fwd, bwd = forward_backward(Gemm(tokens, model.vocab_size / tp, h))
     logits = tokens * model.vocab_size / tp
@@ -209,10 +233,111 @@ def lm_head(model: ModelSpec, tokens: float, tp: int, speed: Speed) -> Phase:
     )
 
 
-def embedding(model: ModelSpec, tokens: float, speed: Speed) -> Phase:
+def embedding(model: ModelSpec, tokens: float, speed: Speed, tp: int = 1) -> Phase:
     """Lookup (write e h per token, plus read + add of learned positions) and its
-    scatter-add gradient."""
+    scatter-add gradient. On the local stack: :func:`local_embedding`."""
+    if speed.cal.local:
+        return local_embedding(model, tokens, tp, speed)
     e, h = speed.e, model.hidden_size
     learned = model.position_embedding == "learned"
     fwd = speed.memory(tokens * h * e * (3 if learned else 1))
     return Phase(fwd, 2 * fwd)
+
+
+# --------------------------------------------------------------------------------------
+# megatron-core's local modules (no Transformer Engine, no Apex)
+# --------------------------------------------------------------------------------------
+
+NORM_BACKWARD_PASSES = 5  # dX: read dY, X, write dX; dgamma/dbeta: read dY, X again
+MAIN_GRAD_BYTES = 10  # main_grad.add_(grad): read bf16 grad 2 + fp32 main grad 4, write 4
+CE_FORWARD_BYTES = 4 + 4 + 8 + 8 + 4 + 8  # + e: .float(), max, sub_, exp_, sum, div_
+CE_BACKWARD_BYTES = 8 + 4  # + e: mul_ by the loss gradient, cast of the gradient to e bytes
+
+
+def local_block_elementwise(
+    model: ModelSpec, tokens: float, tp: int, sharded_boundary: bool, speed: Speed
+) -> Phase:
+    """The standalone elementwise kernels of one megatron-core local TransformerLayer.
+
+    Bytes per token, e per element, r = t when the residual stream is split (SP, ring) else 1,
+    q_kv = q + 2 kv (the fused QKV output), f1 = 2f for SwiGLU else f. Forward:
+
+    - the out-of-place adds (:meth:`Speed.elementwise`, the kernel family the local stack's
+      ``elementwise_efficiency`` was measured on): the QKV and fc1 bias adds (``output +
+      bias`` in the linear and the MLP, 2e q_kv / t and 2e f1 / t) and the two unfused
+      bias-dropout-adds (``x + bias`` 2e h and ``residual + out`` 3e h per r tokens);
+    - at ``memory_efficiency``: two torch norms (read + write h / r, fp32 statistics); the
+      activation (GeLU 2e f / t; megatron's local GLU splits fc1, adds its zero offset 2e f,
+      runs SiLU 2e f and multiplies 3e f: 7e f / t); dropout > 0 (read + write + mask
+      2e + 1 per element); unfused RoPE (``t cos + rotate_half(t) sin``: 9e (q + kv) / t).
+
+    Backward, at ``memory_efficiency``: norms 5e h / r each; bias gradients (a reduction
+    reading the output gradient) e q_kv / t, e f1 / t and e h / r per row-linear bias; the
+    residual stream's two gradient sums 3e h / r each; GeLU backward 3e f / t (GLU: products
+    6e f, SiLU 3e f, split 4e f); the QKV split backward (cat of dq, dk, dv) 2e q_kv / t;
+    RoPE backward as its forward; dropout backward 2e + 1 per element. The fp32
+    main-gradient accumulation of the weights is per parameter, :func:`main_grad_accumulation`.
+    """
+    e, h, f = speed.e, model.hidden_size, model.ffn_hidden_size
+    r = tp if sharded_boundary else 1
+    qkv = model.q_size + 2 * model.kv_size
+    bias = model.add_bias_linear
+    f1 = 2 * f if model.gated else f
+    dropout = (2 * e + MASK_BYTES) if model.dropout > 0 else 0
+    rope = 9 * e * (model.q_size + model.kv_size) if model.position_embedding == "rope" else 0
+    act_fwd, act_bwd = (7 * e * f, 13 * e * f) if model.gated else (2 * e * f, 3 * e * f)
+    adds = 2 * ((2 * e if bias else 0) + 3 * e) * h / r
+    adds += (2 * e * qkv + 2 * e * f1) / tp if bias else 0
+    other_fwd = (2 * (2 * e * h + norm_stat_bytes(model)) + 2 * dropout * h) / r
+    other_fwd += (act_fwd + rope) / tp
+    bwd_residual = (2 * NORM_BACKWARD_PASSES * e + 2 * 3 * e + (2 * e if bias else 0)) * h
+    bwd_residual += 2 * dropout * h
+    bwd_parallel = (e * qkv + e * f1 if bias else 0) + act_bwd + 2 * e * qkv + rope
+    fwd = speed.elementwise(tokens * adds) + speed.memory(tokens * other_fwd)
+    bwd = speed.memory(tokens * (bwd_residual / r + bwd_parallel / tp))
+    return Phase(fwd, bwd)
+
+
+def main_grad_accumulation(params: float, speed: Speed) -> float:
+    """Seconds per micro-batch to add ``params`` bf16 weight gradients into Megatron DDP's
+    fp32 main gradients (``main_grad.add_(grad)`` after every backward; the local stack has no
+    gradient-accumulation fusion). The fused stack accumulates inside the wgrad GEMM: 0."""
+    if not speed.cal.local:
+        return 0.0
+    return speed.elementwise(MAIN_GRAD_BYTES * params)
+
+
+def local_lm_head(model: ModelSpec, tokens: float, tp: int, speed: Speed) -> Phase:
+    """Final norm, LM head GEMM and megatron-core's unfused vocab-parallel cross entropy.
+
+    Per logit (T V / t on this GPU): forward ``logits.float()`` (read e, write 4), max (4),
+    ``-= max`` (8), ``exp`` in place (8), sum (4), ``div_`` (8): 36 + e; backward
+    ``mul_`` by the loss gradient (8) and the cast of the gradient back to e bytes (4 + e);
+    at ``memory_efficiency`` (large contiguous tensors).
+    """
+    h, e = model.hidden_size, speed.e
+    fwd, bwd = forward_backward(Gemm(tokens, model.vocab_size / tp, h))
+    logits = tokens * model.vocab_size / tp
+    norm = 2 * e * h + norm_stat_bytes(model)
+    return Phase(
+        speed.gemms(fwd) + speed.memory((CE_FORWARD_BYTES + e) * logits + tokens * norm),
+        speed.gemms(bwd)
+        + speed.memory((CE_BACKWARD_BYTES + e) * logits + tokens * NORM_BACKWARD_PASSES * e * h),
+    )
+
+
+def local_embedding(model: ModelSpec, tokens: float, tp: int, speed: Speed) -> Phase:
+    """megatron-core's LanguageModelEmbedding: forward the lookup (write e h), with TP the
+    masked-row fill (read + write e h), with learned positions their lookup and the add
+    (e h + 3e h), and the transpose to [s, b, h] (read + write e h); backward the sort-based
+    embedding backward of each table (read the e h gradient, write fp32 partial sums 4 h and
+    add them into the e-byte table gradient 4 h + e h) after zero-filling the table gradient
+    (e V h / t, and e h per position row); at ``memory_efficiency``."""
+    e, h = speed.e, model.hidden_size
+    learned = model.position_embedding == "learned"
+    tables = 2 if learned else 1
+    fwd = tokens * h * (e + (2 * e if tp > 1 else 0) + (4 * e if learned else 0) + 2 * e)
+    bwd = tables * tokens * h * (2 * e + 8) + e * h * model.vocab_size / tp
+    if learned:
+        bwd += e * h * model.max_position_embeddings
+    return Phase(speed.memory(fwd), speed.memory(bwd))

@@ -19,6 +19,13 @@ reduction (per ZeRO stage, overlapped with backward) and its optimizer update (m
 over the optimizer state). Memory per GPU is the largest stage's model states (per ZeRO
 stage), in-flight activations, transient buffers and allocator headroom (:mod:`memory`).
 
+Software stack (``Calibration.stack``): the default ``"fused"`` is the stack of the published
+Megatron-LM runs; ``"megatron-core-local"`` (megatron-core's local modules, no Transformer
+Engine or Apex) prices its unfused elementwise kernels (:mod:`compute`'s ``local_*``),
+Megatron DDP's fp32 main-gradient accumulation per micro-batch, PyTorch's foreach AdamW with
+Megatron's per-tensor clipping, the fp32 cross entropy's memory, and a host (CPU) time per
+layer and collective: a micro-batch of a stage then takes ``max(GPU, host)``.
+
 FLOPs (planner.md "FLOPs"): model FLOPs per step = 3 x forward, with forward per token
 2 x (weights of the four linears) + 4 s a d_h per layer (full s^2, the 72-formula) and 2 h V
 for the LM head; hardware FLOPs add what recompute runs again.
@@ -42,10 +49,18 @@ from ds_stpar.config import (
 from ds_stpar.errors import ConfigError
 from ds_stpar.planner import memory as mem
 from ds_stpar.planner.comm import Link, Placement, placement
-from ds_stpar.planner.compute import Phase, Speed, attention_core, block_elementwise, embedding
+from ds_stpar.planner.compute import (
+    Phase,
+    Speed,
+    attention_core,
+    block_elementwise,
+    embedding,
+    main_grad_accumulation,
+)
 from ds_stpar.planner.compute import lm_head as lm_head_time
 from ds_stpar.planner.profile import Calibration
 from ds_stpar.planner.tensor_parallel import (
+    NORMS_PER_BLOCK,
     BlockTP,
     cannon_block,
     head_seqs,
@@ -116,11 +131,13 @@ class Estimate:
     """Predicted step time and peak memory per GPU of one strategy.
 
     ``time_breakdown`` (seconds, sums to ``step_time_s``): compute, recompute,
-    tp_comm_exposed, pp_p2p, pp_bubble, dp_comm_exposed, optimizer.
+    tp_comm_exposed, pp_p2p, host_bound (what the host's launch time adds over the GPU's
+    on the critical stage; local stack only), pp_bubble, dp_comm_exposed, optimizer.
     ``memory_breakdown`` (GiB, of the stage with the highest peak; sums to
     ``peak_memory_gib``): weights, grads, optimizer, activations, comm_buffers,
-    allocator_headroom, runtime_reserved (CUDA context, cuBLAS workspace, NCCL buffers: not
-    seen by ``torch.cuda.max_memory_allocated``, nor is the allocator headroom).
+    optimizer_step (what the optimizer's transient needs beyond the freed activations; local
+    stack only), allocator_headroom, runtime_reserved (CUDA context, cuBLAS workspace, NCCL
+    buffers: not seen by ``torch.cuda.max_memory_allocated``, nor is the allocator headroom).
     ``micro_batches``: m per step; ``peak_stage``: the pipeline stage of the peak;
     ``tp_collectives_s``: raw seconds per step of each TP collective kind on the first stage's
     blocks (all_reduce / all_gather / reduce_scatter / p2p), before any overlap.
@@ -170,7 +187,11 @@ class BlockCost:
 
 @dataclass(frozen=True)
 class StageCost:
-    """One pipeline stage, one micro-batch: seconds (compute includes embedding / LM head)."""
+    """One pipeline stage, one micro-batch: seconds (compute includes embedding / LM head).
+
+    ``host``: CPU seconds to issue the stage's work (Python + kernel launches). The GPU
+    runs the queue while the host fills it, so a micro-batch takes the longer of the two:
+    ``total = max(gpu, host)``."""
 
     compute: float
     recompute: float
@@ -178,10 +199,15 @@ class StageCost:
     p2p: float
     fwd_window: float  # forward compute a DP all-gather can hide behind
     bwd_window: float  # backward compute a DP reduction can hide behind
+    host: float = 0.0
+
+    @property
+    def gpu(self) -> float:
+        return self.compute + self.recompute + self.tp_comm + self.p2p
 
     @property
     def total(self) -> float:
-        return self.compute + self.recompute + self.tp_comm + self.p2p
+        return max(self.gpu, self.host)
 
 
 class _Context:
@@ -287,13 +313,76 @@ def edge_comm(ctx: _Context) -> tuple[float, float]:
     return link.all_reduce(size), link.all_reduce(size) + loss
 
 
+# --------------------------------------------------------------------------------------
+# Host time (megatron-core local stack)
+# --------------------------------------------------------------------------------------
+
+OPTIMIZER_HOST_OPS_PER_TENSOR = 6
+"""Host ops per parameter tensor in Megatron's optimizer step on the local stack (no Apex):
+the per-tensor ``torch.norm`` of the local l2-norm fallback and its ``.item()``, the clip's
+``src * scale`` and ``dst.copy_``, the main -> model parameter copy, and the per-tensor
+Python of the grad hand-over (``_copy_model_grads_to_main_grads``)."""
+
+
+def layer_host_calls(ctx: _Context) -> tuple[int, int]:
+    """(TP collectives, ring/Cannon hop steps) one layer issues per micro-batch, forward +
+    backward (+ the recomputed forward under full recompute).
+
+    Megatron with SP: forward 2 all-gathers + 2 reduce-scatters, backward 2 all-gathers of
+    the row linears' output gradient, 2 re-gathers and 2 reduce-scatters in the column
+    linears: 10 (recompute +4). Without SP: 2 forward and 2 backward all-reduces (+2).
+    Ring: every linear runs one forward and one backward ``ring_pass`` (the column backward
+    carries the dX accumulator and the X rotation in one batch per step), P - 1 hops each:
+    8 (P - 1) (recompute +4 (P - 1)). Cannon: per linear q - 1 shifts in each of the forward,
+    dX and dW passes plus two re-skews (forward output, backward gradient), and 4 norm-stat
+    all-reduces per layer."""
+    if ctx.t == 1:
+        return 0, 0
+    again = ctx.strategy.recompute == "full"
+    if ctx.mode == "ring":
+        return 0, (8 + (4 if again else 0)) * (ctx.t - 1)
+    if ctx.mode == "cannon":
+        q = math.isqrt(ctx.t)
+        per_linear = 3 * (q - 1) + 2 + ((q - 1) + 1 if again else 0)
+        return 2 * NORMS_PER_BLOCK, 4 * per_linear
+    if ctx.sharded:
+        return 10 + (4 if again else 0), 0
+    return 4 + (2 if again else 0), 0
+
+
+def edge_host_calls(ctx: _Context, first: bool, last: bool) -> int:
+    """TP collectives (and pipeline P2P batches) of a stage outside its layers, per
+    micro-batch: the embedding's reduction (first stage), the LM head's input gather and its
+    backward re-gather and reduce-scatter with a sharded boundary, or its backward all-reduce
+    (last stage), and one P2P batch each way with pp > 1."""
+    calls = 0
+    if ctx.t > 1:
+        calls += int(first) + ((3 if ctx.sharded else 1) if last else 0)
+    if ctx.p > 1:
+        calls += 2
+    return calls
+
+
+def stage_host(ctx: _Context, layers: int, first: bool, last: bool) -> float:
+    """Host seconds of one stage per micro-batch: ``layers`` x (``host_layer_s`` + its
+    collectives x ``host_collective_s`` + its hops x ``host_ring_hop_s``) + the edge calls.
+    Zero unless the calibration sets host constants (the local stack)."""
+    cal = ctx.cal
+    collectives, hops = layer_host_calls(ctx)
+    per_layer = cal.host_layer_s + collectives * cal.host_collective_s + hops * cal.host_ring_hop_s
+    return layers * per_layer + edge_host_calls(ctx, first, last) * cal.host_collective_s
+
+
 def stage_costs(ctx: _Context, block: BlockCost) -> list[StageCost]:
     """Per micro-batch cost of each stage; p2p: forward activation + backward gradient of
     e T h / t bytes each (Megatron scatters across the TP ranks), on the critical path
-    under 1F1B and hidden (but for the fill and drain) when interleaved."""
+    under 1F1B and hidden (but for the fill and drain) when interleaved. On the local stack
+    the backward also adds the stage's weight gradients into the fp32 main gradients and the
+    host time (:func:`stage_host`) is set beside the GPU time."""
     first_comm, last_comm = edge_comm(ctx)
-    emb = embedding(ctx.model, ctx.tokens, ctx.speed)
+    emb = embedding(ctx.model, ctx.tokens, ctx.speed, ctx.t)
     head = lm_head_time(ctx.model, ctx.tokens, ctx.t, ctx.speed)
+    psis = mem.stage_params(ctx.model, ctx.strategy)
     p2p = 0.0
     if ctx.p > 1 and ctx.v == 1:
         p2p = 2 * ctx.links.pp_p2p.p2p(ctx.e * ctx.tokens * ctx.model.hidden_size / ctx.t)
@@ -302,7 +391,7 @@ def stage_costs(ctx: _Context, block: BlockCost) -> list[StageCost]:
     for i, n in enumerate(ctx.layers):
         key = (n, i == 0, i == ctx.p - 1)
         if key not in made:
-            extra, extra_comm = Phase(0.0, 0.0), 0.0
+            extra, extra_comm = Phase(0.0, main_grad_accumulation(psis[i], ctx.speed)), 0.0
             if key[1]:
                 extra, extra_comm = extra + emb, extra_comm + first_comm
             if key[2]:
@@ -314,6 +403,7 @@ def stage_costs(ctx: _Context, block: BlockCost) -> list[StageCost]:
                 p2p=p2p,
                 fwd_window=n * block.fwd,
                 bwd_window=n * block.bwd,
+                host=stage_host(ctx, n, key[1], key[2]),
             )
         stages.append(made[key])
     return stages
@@ -336,6 +426,7 @@ def pipeline_parts(stages: list[StageCost], m: int, v: int) -> dict[str, float]:
         "recompute": m * critical.recompute,
         "tp_comm_exposed": m * critical.tp_comm,
         "pp_p2p": m * critical.p2p,
+        "host_bound": m * (critical.total - critical.gpu),
         "pp_bubble": rest / v,
     }
 
@@ -393,14 +484,49 @@ def dp_comm_exposed(ctx: _Context, psi: float, stage: StageCost, layers: int) ->
     return ctx.m * (fwd + bwd)
 
 
-def optimizer_time(ctx: _Context, psi: float) -> float:
+LOCAL_ADAM_BYTES = 8 + 12 + 8 + 12 + 8 + 8 + 8 + 16
+"""fp32 bytes per parameter of PyTorch's foreach AdamW: weight decay (r+w 8), lerp of m
+(12), v *= beta2 (8), addcmul into v (12), sqrt(v) into a new tensor (8), its division
+(8) and + eps (8), addcdiv into the parameter (16)."""
+LOCAL_CLIP_NORM_BYTES = 4 + 8 + 8  # the norm reads the gradient; clip: src * scale, copy_
+
+
+def optimizer_time(ctx: _Context, stage: int, psi: float) -> float:
     """Memory-bound update over this GPU's optimizer shard: per parameter it reads the
     gradient three times (unscale/cast, norm, update) and writes it once (zeroing), reads and
-    writes the optimizer state, and writes the e-byte weight."""
+    writes the optimizer state, and writes the e-byte weight.
+
+    Local stack (Megatron's distributed optimizer over PyTorch's AdamW, no Apex): per shard
+    parameter :data:`LOCAL_ADAM_BYTES`, the norm and clip (:data:`LOCAL_CLIP_NORM_BYTES`) and
+    the main -> model copy (4 + e); per parameter the zeroing of the fp32 gradient buffer (4).
+    Its host issues :data:`OPTIMIZER_HOST_OPS_PER_TENSOR` ops per parameter tensor; the step
+    takes the longer of the GPU and the host."""
     local = psi / (ctx.d if ctx.strategy.zero >= 1 else 1)
+    if ctx.cal.local:
+        gpu = ctx.speed.memory(
+            local * (LOCAL_ADAM_BYTES + LOCAL_CLIP_NORM_BYTES + 4 + ctx.e) + 4 * psi
+        )
+        host = tensors_per_stage(ctx, stage) * OPTIMIZER_HOST_OPS_PER_TENSOR * ctx.cal.host_op_s
+        return max(gpu, host)
     grad = 4 if ctx.e == 4 else ctx.cal.grad_bytes
     per_param = 4 * grad + 2 * mem.optimizer_state_bytes(ctx.train) + ctx.e
     return ctx.speed.memory(local * per_param)
+
+
+def tensors_per_stage(ctx: _Context, stage: int) -> int:
+    """Parameter tensors of ``stage`` (for the per-tensor host work of the optimizer): per
+    layer two norms (weight, and bias for LayerNorm), four linear weights and with biases four
+    biases; the first stage adds the word (and learned position) embedding, the last the
+    final norm and an untied (or pipeline-split) LM head."""
+    model = ctx.model
+    per_norm = 2 if model.normalization == "layernorm" else 1
+    per_layer = 2 * per_norm + 4 + (4 if model.add_bias_linear else 0)
+    count = ctx.layers[stage] * per_layer
+    if stage == 0:
+        count += 2 if model.position_embedding == "learned" else 1
+    if stage == ctx.p - 1:
+        count += per_norm + (1 if (not model.tied_embeddings or ctx.p > 1) else 0)
+    return count
 
 
 # --------------------------------------------------------------------------------------
@@ -441,24 +567,44 @@ def stage_memory(ctx: _Context, stage: int, psi: float) -> dict[str, float]:
         activations += inflight / max(layers, 1) * ctx.tokens * h / r
     if ctx.strategy.recompute == "full":  # one block recomputed at a time, all its tensors
         activations += mem.layer_activation_bytes(acts, ctx.tokens, ctx.t, ctx.sharded, "none")
-    if stage == ctx.p - 1:  # final norm + LM head inputs, bf16 logits, fp32 softmax, grad
-        activations += ctx.tokens * (2 * ctx.e * h / r + (2 * ctx.e + 4) * model.vocab_size / ctx.t)
+    if stage == ctx.p - 1:
+        activations += ctx.tokens * (
+            2 * ctx.e * h / r + head_bytes_per_logit(ctx) * model.vocab_size / ctx.t
+        )
     buffers = tp_buffer_bytes(ctx)
     if ctx.p > 1:
         buffers += 2 * ctx.e * ctx.tokens * h / ctx.t
-    if ctx.d > 1:
+    if ctx.d > 1 and not cal.local:  # Megatron DDP reduces inside its own gradient buffer
         buffers += min(cal.dp_bucket_elements, psi) * cal.grad_bytes
     if ctx.strategy.zero == 3 and ctx.d > 1:
         buffers += 2 * ctx.e * mem.layer_params_per_gpu(model, ctx.t)
+    step = optimizer_step_bytes(ctx, psi)  # the update runs after the activations are gone
     return {
         "weights": states.weights,
         "grads": states.grads,
         "optimizer": states.optimizer,
         "activations": activations,
         "comm_buffers": buffers,
-        "allocator_headroom": cal.allocator_fraction * (activations + buffers),
+        "optimizer_step": max(0.0, step - activations - buffers),
+        "allocator_headroom": cal.allocator_fraction * max(activations + buffers, step),
         "runtime_reserved": cal.runtime_reserved_gib * GiB,
     }
+
+
+def head_bytes_per_logit(ctx: _Context) -> float:
+    """Bytes per logit held at the loss: the fused stack keeps the e-byte logits, their fp32
+    softmax and its gradient (2e + 4); megatron-core's local cross entropy casts the e-byte
+    logits to fp32 (e + 4 while both live), works in place on the fp32 copy, and in backward
+    casts its fp32 gradient back to e bytes (4 + e again)."""
+    return ctx.e + 4 if ctx.cal.local else 2 * ctx.e + 4
+
+
+def optimizer_step_bytes(ctx: _Context, psi: float) -> float:
+    """Transient bytes of the optimizer step: PyTorch's foreach AdamW (local stack) allocates
+    sqrt(v) for every shard parameter, 4 bytes each; the fused optimizers work in place."""
+    if not ctx.cal.local:
+        return 0.0
+    return 4 * psi / (ctx.d if ctx.strategy.zero >= 1 else 1)
 
 
 # --------------------------------------------------------------------------------------
@@ -484,7 +630,7 @@ class Evaluator:
         self._blocks: dict[tuple, BlockCost] = {}
         self._memory: dict[Strategy, tuple[int, dict[str, float]]] = {}
         self.activations = mem.layer_activations(
-            model, train.seq_len, self.speed.e, self.cal.flash_attention
+            model, train.seq_len, self.speed.e, self.cal.flash_attention, self.cal.local
         )
 
     def _block(self, ctx: _Context) -> BlockCost:
@@ -526,7 +672,7 @@ class Evaluator:
             i: dp_comm_exposed(ctx, psis[i], stages[i], ctx.layers[i])
             for i in distinct_stages(ctx.p)
         }
-        opt = {i: optimizer_time(ctx, psis[i]) for i in dp}
+        opt = {i: optimizer_time(ctx, i, psis[i]) for i in dp}
         slow = max(dp, key=lambda i: dp[i] + opt[i])
         parts["dp_comm_exposed"], parts["optimizer"] = dp[slow], opt[slow]
         step = pipe + dp[slow] + opt[slow]

@@ -135,7 +135,17 @@ class LayerActivations:
     layer_input: float
 
 
-def layer_activations(model: ModelSpec, seq: int, e: int, flash: bool) -> LayerActivations:
+NORM_STAT_BYTES = 8  # fp32 mean and rstd per token that a torch LayerNorm saves
+
+
+def norm_stat_bytes(model: ModelSpec) -> int:
+    """fp32 statistics per token a torch norm saves: mean and rstd (LayerNorm), rstd (RMSNorm)."""
+    return NORM_STAT_BYTES if model.normalization == "layernorm" else NORM_STAT_BYTES // 2
+
+
+def layer_activations(
+    model: ModelSpec, seq: int, e: int, flash: bool, local: bool = False
+) -> LayerActivations:
     """Saved tensors of one block per token, with no TP and no recompute.
 
     Derivation (Korthikanti et al. 2022, Section 4.1, generalised to GQA and SwiGLU):
@@ -157,6 +167,10 @@ def layer_activations(model: ModelSpec, seq: int, e: int, flash: bool) -> LayerA
     A 4h GeLU MHA block with dropout in bf16: residual 8h + 2h = 10h, parallel 8h + 16h =
     24h, scores 5as: sbh (34 + 5as/h), and with TP sbh (10 + 24/t + 5as/(ht)) -- planner.md.
     Llama-3 8B (SwiGLU f = 3.5h, GQA kv = h/4, flash, no dropout) also comes to ~34 h.
+
+    ``local`` (megatron-core's local modules): the two torch norms also save their fp32
+    statistics (:func:`norm_stat_bytes` each, residual), and the unfused GLU keeps fc1's output 2e f, the
+    SiLU output e f, the zero-offset sum e f and fc2's input e f: 5 e f instead of 3 e f.
     """
     h, q, kv, f, a = (
         model.hidden_size,
@@ -174,6 +188,9 @@ def layer_activations(model: ModelSpec, seq: int, e: int, flash: bool) -> LayerA
         attention = 4 * e * q
         scores = (2 * e + MASK_BYTES if dropout else e) * a * seq
     mlp = (3 if model.gated else 2) * e * f
+    if local:
+        residual += 2 * norm_stat_bytes(model)
+        mlp += 2 * e * f if model.gated else 0
     return LayerActivations(residual, attention + mlp, scores, e * h)
 
 

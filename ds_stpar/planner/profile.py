@@ -23,6 +23,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
@@ -31,6 +32,9 @@ from ds_stpar.config import GPU_PRESETS, read_json
 from ds_stpar.errors import ConfigError, StparError
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+LOCAL_STACK = "megatron-core-local"
+STACKS = ("fused", LOCAL_STACK)
+HOST_FIELDS = ("host_layer_s", "host_collective_s", "host_ring_hop_s", "host_op_s")
 
 # --------------------------------------------------------------------------------------
 # Calibration
@@ -54,6 +58,24 @@ class Calibration:
     communication (DP reduction behind backward, Megatron's async TP backward);
     ``ring_hop_overlap`` the share of a ring/Cannon neighbour hop hidden behind its step's
     sub-GEMM.
+
+    Software stack (``stack``, :data:`STACKS`): ``"fused"`` is the stack of the published
+    Megatron-LM runs (fused bias-GeLU / bias-dropout-add / softmax kernels, gradient
+    accumulation fused into the weight-gradient GEMM, fused Adam; its elementwise kernels
+    reach ``memory_efficiency`` and its host launches hide behind the GPU); ``"megatron-core-
+    local"`` is megatron-core's local modules without Transformer Engine or Apex (what
+    ``bench/planner_accuracy.py`` runs): unfused PyTorch kernels (bias and residual adds,
+    GeLU, norms, fp32 cross entropy), a separate fp32 main-gradient accumulation per
+    micro-batch (the adds and this accumulation run at the measured ``elementwise_efficiency``
+    of HBM, the rest at ``memory_efficiency``), PyTorch's foreach AdamW with
+    Megatron's per-tensor gradient clipping, and a host (Python + launch) time per layer
+    that can exceed the GPU time. Host constants, in seconds of CPU per call:
+    ``host_layer_s`` (one transformer layer, forward + backward, one micro-batch, no TP
+    communication; includes the per-micro-batch embedding/loss/schedule overhead spread over
+    the layers), ``host_collective_s`` (one Megatron TP collective with its autograd
+    wrapper), ``host_ring_hop_s`` (one ring/Cannon step with a hop: P2P batch, stream waits,
+    the extra sub-GEMM launch), ``host_op_s`` (one small PyTorch op, for the optimizer's
+    per-tensor work). Zero host constants mean host time is not modelled.
 
     Stack facts (what the software does, not measured speed): ``flash_attention`` (fused
     attention that skips masked blocks; otherwise Megatron's unfused softmax path with s^2
@@ -79,9 +101,25 @@ class Calibration:
     dp_bucket_elements: int = 500_000_000
     allocator_fraction: float = 0.1
     runtime_reserved_gib: float = 1.5
+    stack: str = "fused"
+    elementwise_efficiency: float = 0.7
+    host_layer_s: float = 0.0
+    host_collective_s: float = 0.0
+    host_ring_hop_s: float = 0.0
+    host_op_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("gemm_peak_fraction", "memory_efficiency", "flash_fraction"):
+        if self.stack not in STACKS:
+            raise ConfigError(f"calibration stack must be one of {STACKS}, got {self.stack!r}")
+        for name in HOST_FIELDS:
+            if getattr(self, name) < 0:
+                raise ConfigError(f"calibration {name} must be >= 0, got {getattr(self, name)}")
+        for name in (
+            "gemm_peak_fraction",
+            "memory_efficiency",
+            "flash_fraction",
+            "elementwise_efficiency",
+        ):
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ConfigError(f"calibration {name} must be in (0, 1], got {value}")
@@ -93,6 +131,11 @@ class Calibration:
             raise ConfigError("calibration gemm_half_dim and runtime_reserved_gib must be >= 0")
         if self.grad_bytes not in (2, 4):
             raise ConfigError(f"calibration grad_bytes must be 2 or 4, got {self.grad_bytes}")
+
+    @property
+    def local(self) -> bool:
+        """Whether this is megatron-core's local (unfused, host-heavy) stack."""
+        return self.stack == LOCAL_STACK
 
     def gemm_efficiency(self, m: float, n: float, k: float) -> float:
         """Fraction of peak a (m x k) @ (k x n) GEMM reaches, compute-bound part only."""
@@ -114,26 +157,36 @@ class Calibration:
         return cls(**data)
 
     @classmethod
-    def from_json(cls, path: str | os.PathLike, gpu: str | None = None) -> Calibration:
-        """A calibration file: flat fields, or ``{"default": {...}, "gpus": {name: {...}}}``."""
+    def from_json(
+        cls, path: str | os.PathLike, gpu: str | None = None, stack: str = "fused"
+    ) -> Calibration:
+        """A calibration file: flat fields, or ``{"default": {...}, "gpus": {name: {...}},
+        "stacks": {name: {...}}}`` (later layers override earlier ones)."""
         data = read_json(path)
-        return cls._from_layered(data, gpu, os.fspath(path))
+        return cls._from_layered(data, gpu, stack, os.fspath(path))
 
     @classmethod
-    def load_default(cls, gpu: str | None = None) -> Calibration:
-        """The shipped defaults (``ds_stpar/data/calibration.json``), with ``gpu``'s overrides."""
+    def load_default(cls, gpu: str | None = None, stack: str = "fused") -> Calibration:
+        """The shipped defaults (``ds_stpar/data/calibration.json``) with ``gpu``'s and then
+        ``stack``'s overrides."""
         text = resources.files("ds_stpar").joinpath("data/calibration.json").read_text("utf-8")
-        return cls._from_layered(json.loads(text), gpu, "ds_stpar/data/calibration.json")
+        return cls._from_layered(json.loads(text), gpu, stack, "ds_stpar/data/calibration.json")
 
     @classmethod
-    def _from_layered(cls, data: Any, gpu: str | None, where: str) -> Calibration:
+    def _from_layered(cls, data: Any, gpu: str | None, stack: str, where: str) -> Calibration:
         if not isinstance(data, dict):
             raise ConfigError(f"{where}: a calibration must be a JSON object")
+        if stack not in STACKS:
+            raise ConfigError(f"{where}: stack must be one of {STACKS}, got {stack!r}")
         if "default" not in data:
-            return cls.from_dict({k: v for k, v in data.items() if not k.startswith("_")}, where)
+            flat = {k: v for k, v in data.items() if not k.startswith("_")}
+            return cls.from_dict({**flat, "stack": stack} if stack != "fused" else flat, where)
         merged = dict(data["default"])
         merged.update(data.get("gpus", {}).get(gpu, {}))
-        return cls.from_dict(merged, where)
+        if stack != "fused":
+            merged.update(data.get("stacks", {}).get(stack, {}))
+            merged["stack"] = stack
+        return cls.from_dict({k: v for k, v in merged.items() if not k.startswith("_")}, where)
 
 
 # --------------------------------------------------------------------------------------
@@ -242,6 +295,30 @@ class Profile:
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> Profile:
         return cls.from_dict(read_json(path), os.fspath(path))
+
+    @classmethod
+    def from_layers_benchmark(cls, data: dict, gpu: str, latency_s: float) -> Profile:
+        """The 2-GPU link bandwidths that ``bench/layers.py`` measured (its ``ring_overlap``
+        cases, ``--out`` JSON): point-to-point = one hop's ``T/2 x h`` bf16 chunk over
+        ``hop_ms``; all-gather bus bandwidth = half the gathered ``T x h`` bf16 over the
+        all-gather's share of Megatron's column forward (``megatron_fwd_ms - gemm_only_ms``),
+        used for reduce-scatter and all-reduce too for want of separate figures; each less
+        the per-step ``latency_s`` the cost model adds back, median over the cases."""
+        try:
+            cases = data["ring_overlap"]["cases"]
+            p2p, gather = [], []
+            for c in cases:
+                half = c["tokens"] * c["hidden"]  # bytes of T/2 x h bf16 = half of T x h
+                p2p.append(half / (c["hop_ms"] * 1e-3 - latency_s) / 1e9)
+                ag_s = (c["megatron_fwd_ms"] - c["gemm_only_ms"]) * 1e-3 - latency_s
+                gather.append(half / ag_s / 1e9)
+        except (KeyError, TypeError) as err:
+            raise ConfigError(f"layers benchmark: no ring_overlap cases ({err})") from None
+        if not cases or min(p2p + gather) <= 0:
+            raise ConfigError("layers benchmark: ring_overlap cases give no positive bandwidth")
+        busbw = statistics.median(gather)
+        table = {name: {2: busbw} for name in ("all_reduce", "all_gather", "reduce_scatter")}
+        return cls(gpu, bus_bandwidth_gbs={**table, "p2p": {2: statistics.median(p2p)}})
 
     def _validate(self, where: str) -> None:
         unknown = sorted(set(self.bus_bandwidth_gbs) - set(COLLECTIVES))

@@ -14,9 +14,11 @@ input gradient with the weight-gradient GEMM; what the GEMM does not cover is ex
 
 Ring (temporal-partition.md, Instance A), P = t: every pass (forward; per column linear two
 backward passes, dX accumulator and dW operand rotation; per row linear one backward pass)
-runs P steps of a chunk GEMM with P - 1 neighbour hops of a ``T/P x dim`` chunk. The first
-hop is exposed; each later hop hides behind the step's GEMM up to ``ring_hop_overlap`` of
-its length: pass = hop + P g + (P - 2) max(hop - g, (1 - overlap) hop). No all-reduce.
+runs P steps of a chunk GEMM with P - 1 neighbour hops of a ``T/P x dim`` chunk. Every hop
+runs beside a GEMM (``layers/comm.ring_pass``): a rotating chunk's first hop starts with the
+GEMM on the local chunk, an accumulator's hop with the next partial GEMM; it hides behind
+that GEMM up to ``ring_hop_overlap`` of its length (the measured share, ``hop hidden`` of
+``bench/layers.py``): pass = P g + (P - 1) max(hop - g, (1 - overlap) hop). No all-reduce.
 
 Cannon (Instance B), P = q x q: q steps per pass of a ``(T/q x k/q) @ (k/q x n/q)`` GEMM while
 both operands shift one hop (the larger hop counts); three passes per linear (forward, dX,
@@ -103,12 +105,12 @@ def _hidden(comm: float, gemm: float, overlap: float) -> float:
 
 
 def pipelined_pass(steps: int, step_gemm: float, hop: float, overlap: float) -> tuple[float, float]:
-    """(GEMM seconds, exposed comm seconds) of ``steps`` steps with ``steps - 1`` hops: the
-    first hop exposed, each later one hidden behind the step GEMM up to ``overlap``."""
+    """(GEMM seconds, exposed comm seconds) of ``steps`` steps with ``steps - 1`` hops, each
+    hop running beside one step GEMM that hides up to ``overlap`` of it: a hop longer than
+    the GEMM shows its excess, a shorter one its unhidden share ``(1 - overlap) hop``."""
     if steps == 1:
         return step_gemm, 0.0
-    later = max(hop - step_gemm, (1.0 - overlap) * hop)
-    return steps * step_gemm, hop + (steps - 2) * later
+    return steps * step_gemm, (steps - 1) * max(hop - step_gemm, (1.0 - overlap) * hop)
 
 
 def ring_block(
