@@ -1,7 +1,8 @@
 """Shims that let megatron-core build and train a GPTModel on a CPU-only machine (gloo).
 
 Megatron allocates with ``device=torch.cuda.current_device()`` and forks a CUDA RNG tracker
-(checked in ../shared/design/cpu-environment.md). :func:`apply` redirects both to the CPU.
+(checked in ../shared/design/cpu-environment.md); its dist_checkpointing also calls
+``torch.cuda.synchronize()``. :func:`apply` redirects all three to the CPU.
 It refuses to run where CUDA is available: these shims must never touch a GPU run.
 """
 
@@ -26,4 +27,5 @@ def apply() -> None:
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
     torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
+    torch.cuda.synchronize = lambda *a, **k: None  # dist_checkpointing syncs before saving
     _applied = True

@@ -1,0 +1,459 @@
+"""One mini-batch across layouts: switch weights in, run a bucket, carry its gradient home.
+
+Per :class:`~ds_stpar.seqbucket.sampler.MiniBatchPlan` (buckets shortest first, empty ones
+skipped), with one model per layout the plan uses (:func:`build_layout_models`):
+
+1. a bucket whose layout is not the home one: its model gets the home model's current weights
+   (:func:`~ds_stpar.seqbucket.switch.switch`, once per optimizer step), runs the bucket's
+   micro-batches forward and backward, and its gradient (accumulated in fp32, nothing
+   reduced) is added into the *carry*, fp32 buffers of the home layout's local shapes, by
+   :func:`~ds_stpar.seqbucket.switch.switch_grads` (the DP reduction of that layout is fused
+   into the move);
+2. a bucket in the home layout runs under the DeepSpeed engine; before the first backward
+   that follows a carry, the carry is added into the home parameters' ``.grad`` so that
+   DeepSpeed's own reduction sees it;
+3. ``engine.step()``.
+
+Loss. Every micro-batch's loss is ``sum of its token losses / N``, ``N`` the mini-batch's
+target count (:mod:`~ds_stpar.seqbucket.loss`), computed by
+:func:`~ds_stpar.layers.cross_entropy.vocab_parallel_cross_entropy` over the layout's TP group.
+The sum of these over all micro-batches of all ranks is the mean token loss of the
+mini-batch, so the gradient is independent of bucketing, packing and layout.
+
+Packed rows. A micro-batch of ``b`` rows of ``T`` tokens is fed as ONE ``thd`` row of
+``b*T`` tokens: ``PackedSeqParams(qkv_format="thd", cu_seqlens_q = cu_seqlens_kv = the rows'
+segments laid end to end)`` and position ids restarting at every segment, so no token
+attends across a document (or row) boundary.
+
+DP arithmetic under DeepSpeed (home layout, ``d`` DP ranks). DeepSpeed *averages* gradients
+over its DP group; the sum of token losses is wanted. The home loss is therefore scaled by
+``d`` (``engine.backward(loss * d, scale_wrt_gas=False)``), and so is the carry: the grads
+plan adds each carried cell into exactly ONE partial-sum class of the home layout (one DP
+replica, like a reduce-scatter), so DeepSpeed's average of ``d * C`` on that replica and 0
+elsewhere is ``C``.
+
+Sequence parallel home layouts (ring TP, or ``sequence_parallel``): the norm and row-bias
+gradients of each TP rank are partial sums (Megatron's ``finalize_model_grads`` all-reduces
+them over TP; DeepSpeed does not). A tensor hook all-reduces each fresh gradient of such a
+parameter over the home TP group before it is accumulated, and the carry of those parameters
+is all-reduced over TP once per step (the grads plan put it on one TP rank only).
+
+Boundaries. DeepSpeed's accumulation boundary is set by hand
+(``engine.set_gradient_accumulation_boundary``): True only for the last home micro-batch.
+The home bucket always runs at least one micro-batch per rank (a zero-weight padding row when
+the mini-batch has no piece of the longest bucket), so the carry always reaches a backward
+and DeepSpeed's step always follows one.
+
+Only ``pp == 1`` layouts: Megatron's pipeline schedules allocate on "cuda" and would need a
+DeepSpeed-aware driver; :func:`check_strategies` refuses ``pp > 1``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ds_stpar.config import ModelSpec, Strategy
+from ds_stpar.errors import ConfigError
+from ds_stpar.layers.cross_entropy import vocab_parallel_cross_entropy
+from ds_stpar.parallel import GroupCache, LayoutGroups
+from ds_stpar.seqbucket.loss import masked_token_loss
+from ds_stpar.seqbucket.packing import PackedBatch, RowPlan, collate
+from ds_stpar.seqbucket.sampler import BucketPlan, MicroBatch, MiniBatchPlan
+from ds_stpar.seqbucket.shards import ParamSpec, Placement, tp_pieces
+from ds_stpar.seqbucket.switch import SwitchPlanner, switch, switch_grads
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def model_key(strategy: Strategy) -> Strategy:
+    """What a layout's model depends on: the strategy without its batch and ZeRO knobs.
+    Buckets whose keys are equal share one model."""
+    return dataclasses.replace(strategy, micro_batch=1, zero=0)
+
+
+def check_strategies(strategies: Sequence[Strategy], edges: Sequence[int]) -> None:
+    """Refuse what the runner cannot run: pipeline parallelism, and sequence-parallel buckets
+    whose rows do not split evenly over TP."""
+    for strategy, edge in zip(strategies, edges):
+        layout = strategy.layout
+        if layout.pp > 1:
+            raise ConfigError(
+                f"bucket {edge}: pp={layout.pp}; the ds_stpar training loop runs pp=1 layouts "
+                "only (Megatron's pipeline schedules need CUDA and a Megatron training loop); "
+                "re-plan without pipeline parallelism or train with Megatron-LM"
+            )
+        sp = strategy.sequence_parallel or layout.tp_mode != "megatron"
+        if layout.tp > 1 and sp and edge % layout.tp:
+            raise ConfigError(
+                f"bucket {edge}: sequence-parallel TP={layout.tp} needs the edge to be a "
+                f"multiple of {layout.tp}"
+            )
+
+
+def param_specs(module: torch.nn.Module, strategy: Strategy, tied: bool) -> dict[str, ParamSpec]:
+    """Full-tensor descriptors of a megatron-core GPTModel's parameters, by global name,
+    read from the parameters' TP attributes (so padding and layer choices are the model's)."""
+    specs = {}
+    for name, param in module.named_parameters():
+        match = _LAYER.match(name)
+        if match:
+            kw = {"layer": int(match.group(1))}
+        elif name.startswith("embedding.word_embeddings"):
+            kw = {"stages": "first+last" if tied else "first"}
+        elif name.startswith("embedding."):
+            kw = {"stages": "first"}
+        elif name.startswith(("decoder.final_layernorm", "output_layer")):
+            kw = {"stages": "last"}
+        else:
+            raise ConfigError(f"{name}: a parameter the switch descriptors do not place")
+        specs[name] = ParamSpec.from_param(param, strategy.layout, **kw)
+    return specs
+
+
+@dataclass
+class LayoutModel:
+    """One layout's model on this rank, its groups and its parameters by global name."""
+
+    strategy: Strategy
+    groups: LayoutGroups
+    module: torch.nn.Module
+
+    @property
+    def params(self) -> dict[str, torch.nn.Parameter]:
+        return dict(self.module.named_parameters())
+
+
+def seed_megatron(seed: int, tp_index: int) -> None:
+    """Seed torch and Megatron's model-parallel RNG tracker (CPU: the shims route it to torch)."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed(seed)
+    tracker = get_cuda_rng_tracker()
+    tracker.reset()
+    tracker.add("model-parallel-rng", seed + 2718 + tp_index)
+
+
+def padded_vocab(vocab_size: int, strategies: Sequence[Strategy]) -> int:
+    """``vocab_size`` rounded up to a multiple of every TP degree (layouts share one shape)."""
+    multiple = math.lcm(*(s.layout.tp for s in strategies))
+    return -(-vocab_size // multiple) * multiple
+
+
+def _ensure_memory_buffer() -> None:
+    """Megatron's sequence-parallel all-gather (its ColumnParallelLinear, e.g. the output
+    layer) takes scratch space from a process-wide buffer that only
+    ``initialize_model_parallel`` creates; models built with explicit groups create it here.
+    It holds no process group."""
+    from megatron.core import parallel_state
+
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+        parallel_state._set_global_memory_buffer()
+
+
+def build_layout_models(
+    model: ModelSpec,
+    strategies: Sequence[Strategy],
+    home: Strategy,
+    cache: GroupCache,
+    dtype: str,
+    seed: int,
+    seq_len: int = 0,
+) -> dict[Strategy, LayoutModel]:
+    """One GPTModel per distinct :func:`model_key` of ``strategies`` (collective: groups are
+    created on first use). The home model is built first, right after seeding, so with CPU
+    initialisation its weights depend on the seed only, not on the layout; the others'
+    initial weights are irrelevant (switched in before use)."""
+    from ds_stpar.integrations.megatron import build_gpt
+
+    if not torch.cuda.is_available():
+        from ds_stpar.integrations import megatron_cpu
+
+        megatron_cpu.apply()
+    _ensure_memory_buffer()
+    keys = [model_key(home)] + [model_key(s) for s in strategies if model_key(s) != model_key(home)]
+    models: dict[Strategy, LayoutModel] = {}
+    for key in keys:
+        if key in models:
+            continue
+        groups = cache.get(key.layout)
+        if key == model_key(home):
+            seed_megatron(seed, groups.tp_index)
+        module = build_gpt(model, key, groups, dtype=dtype, seq_len=seq_len)
+        models[key] = LayoutModel(key, groups, module)
+    return models
+
+
+@dataclass
+class StepStats:
+    """What one mini-batch did. Times in seconds, measured on this rank."""
+
+    epoch: int
+    index: int
+    loss: float  # mean token loss of the mini-batch (all ranks)
+    num_targets: int
+    num_tokens: int
+    step_s: float = 0.0
+    switch_s: float = 0.0
+    optimizer_s: float = 0.0
+    bucket_s: dict[int, float] = field(default_factory=dict)
+    micro_batches: dict[int, int] = field(default_factory=dict)
+    layouts: list[str] = field(default_factory=list)
+    switches: int = 0
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["bucket_s"] = {str(k): v for k, v in self.bucket_s.items()}
+        out["micro_batches"] = {str(k): v for k, v in self.micro_batches.items()}
+        return out
+
+
+class _FP32Grads:
+    """fp32 gradient accumulators of a non-home model, filled by post-accumulate hooks (each
+    micro-batch's ``.grad`` is added, then dropped), so bf16 models accumulate in fp32."""
+
+    def __init__(self, params: Mapping[str, torch.nn.Parameter]) -> None:
+        self.grads = {
+            n: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for n, p in params.items()
+        }
+        for name, param in params.items():
+            param.register_post_accumulate_grad_hook(self._hook(name))
+
+    def _hook(self, name: str) -> Callable:
+        def hook(param: torch.nn.Parameter) -> None:
+            self.grads[name].add_(param.grad)
+            param.grad = None
+
+        return hook
+
+    def zero(self) -> None:
+        for grad in self.grads.values():
+            grad.zero_()
+
+
+def _sequence_parallel_params(
+    model: LayoutModel, specs: Mapping[str, ParamSpec]
+) -> dict[str, torch.nn.Parameter]:
+    """Home parameters whose TP copies hold partial gradients (same region on every TP rank).
+
+    Regions shared by only part of the TP group (Cannon's row-replicated column bias) would
+    need sub-groups: refused."""
+    layout = model.strategy.layout
+    placement = Placement.of(model.strategy, 0)
+    if not placement.sequence_parallel:
+        return {}
+    out = {}
+    for name, param in model.params.items():
+        spec = specs[name]
+        if not spec.sequence_parallel_grad:
+            continue
+        pieces = {tp_pieces(spec, layout, t) for t in range(layout.tp)}
+        if len(pieces) == 1:
+            out[name] = param
+        elif len(pieces) != layout.tp:
+            raise ConfigError(
+                f"{name}: its gradient is partial over part of the TP group under "
+                f"{layout.short()}; use it for a shorter bucket, not as the home layout"
+            )
+    return out
+
+
+def packed_inputs(batch: PackedBatch, device: torch.device):
+    """``[1, b*T]`` ids, positions and labels and the ``thd`` PackedSeqParams of a micro-batch."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    ids = batch.input_ids.reshape(1, -1).to(device)
+    positions = batch.position_ids.reshape(1, -1).to(device)
+    labels = batch.labels.reshape(1, -1).to(device)
+    cu = batch.cu_seqlens.to(device=device, dtype=torch.int32)
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=batch.max_seqlen,
+        max_seqlen_kv=batch.max_seqlen,
+    )
+    return ids, positions, labels, params
+
+
+class BucketRunner:
+    """Runs mini-batch plans over the layout models, with the home one under ``engine``.
+
+    ``models``: from :func:`build_layout_models`; ``engine``: the DeepSpeed engine wrapping
+    ``models[model_key(home)].module``; ``tokens(doc)``: a document's ids (e.g.
+    :class:`~ds_stpar.seqbucket.data.Documents`); ``pad_id``: the padding id;
+    ``gpus_per_node``: for the switch planner's node preference.
+    """
+
+    def __init__(
+        self,
+        engine,
+        models: Mapping[Strategy, LayoutModel],
+        home: Strategy,
+        tokens: Callable[[int], np.ndarray],
+        pad_id: int,
+        tied_embeddings: bool,
+        gpus_per_node: int = 8,
+    ) -> None:
+        self.engine = engine
+        self.home_key = model_key(home)
+        self.home = models[self.home_key]
+        self.models = dict(models)
+        self.tokens, self.pad_id = tokens, pad_id
+        self.device = next(self.home.module.parameters()).device
+        self.specs = param_specs(self.home.module, self.home_key, tied_embeddings)
+        for key, model in self.models.items():
+            specs = param_specs(model.module, key, tied_embeddings)
+            if specs.keys() != self.specs.keys() or any(
+                specs[n].shape != s.shape for n, s in self.specs.items()
+            ):
+                raise ConfigError(
+                    f"the {key.layout.short()} model's full parameter shapes differ from the "
+                    "home model's; pad the vocabulary to a multiple of every TP degree"
+                )
+        num_layers = 1 + max(
+            (s.layer for s in self.specs.values() if s.layer is not None), default=-1
+        )
+        self.planner = SwitchPlanner(self.specs, gpus_per_node, num_layers)
+        self.grads = {k: _FP32Grads(m.params) for k, m in self.models.items() if k != self.home_key}
+        self.carry = {
+            n: torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            for n, p in self.home.params.items()
+        }
+        self.home_dp = self.home.strategy.layout.dp
+        self.sp_params = _sequence_parallel_params(self.home, self.specs)
+        for param in self.sp_params.values():
+            param.register_hook(self._tp_all_reduce)
+        self._fresh: set[Strategy] = set()  # layouts whose weights match the home's
+
+    # ---- pieces ----------------------------------------------------------------------
+    def _tp_all_reduce(self, grad: Tensor) -> Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=self.home.groups.tp_group)
+        return grad
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _micro_batches(self, bucket: BucketPlan, model: LayoutModel, is_home: bool):
+        mbs = bucket.micro_batches(model.groups.dp_index)
+        if is_home and not mbs:  # keep a backward before DeepSpeed's step: zero weight
+            mbs = (MicroBatch((RowPlan(bucket.edge),)),)
+        return mbs
+
+    def _loss(self, module, model: LayoutModel, mb: MicroBatch, num_targets: int):
+        batch = collate(mb.rows, self.tokens, self.pad_id)
+        ids, positions, labels, params = packed_inputs(batch, self.device)
+        logits = module(ids, positions, None, packed_seq_params=params)
+        losses = vocab_parallel_cross_entropy(logits, labels, group=model.groups.tp_group)
+        return masked_token_loss(losses, labels, num_targets)
+
+    def _switch_weights(self, key: Strategy) -> None:
+        plan = self.planner.weights(self.home_key, key)
+        src = {n: p.detach() for n, p in self.home.params.items()}
+        dst = {n: p.detach() for n, p in self.models[key].params.items()}
+        switch(src, dst, plan)
+        self._fresh.add(key)
+
+    def _carry_grads(self, key: Strategy) -> None:
+        plan = self.planner.grads(key, self.home_key)
+        switch_grads(self.grads[key].grads, self.carry, plan)
+        self.grads[key].zero()
+
+    def _add_carry(self) -> None:
+        """Carry -> home ``.grad`` (TP-summed for SP parameters, scaled by the home DP size)."""
+        if self.sp_params:
+            names = list(self.sp_params)
+            flat = torch.cat([self.carry[n].reshape(-1) for n in names])
+            dist.all_reduce(flat, group=self.home.groups.tp_group)
+            for name, part in zip(names, flat.split([self.carry[n].numel() for n in names])):
+                self.carry[name].copy_(part.view_as(self.carry[name]))
+        with torch.no_grad():
+            for name, param in self.home.params.items():
+                add = (self.carry[name] * self.home_dp).to(param.dtype)
+                if param.grad is None:
+                    param.grad = add
+                else:
+                    param.grad.add_(add)
+                self.carry[name].zero_()
+
+    # ---- one mini-batch --------------------------------------------------------------
+    def accumulate(self, plan: MiniBatchPlan) -> StepStats:
+        """Forward and backward of every bucket, gradients reduced into the home layout
+        (DeepSpeed's reduction included); everything but the optimizer step."""
+        start = time.perf_counter()
+        stats = StepStats(plan.epoch, plan.index, 0.0, plan.num_targets, plan.num_tokens)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        n = max(plan.num_targets, 1)
+        last = len(plan.buckets) - 1
+        carried = False
+        for i, bucket in enumerate(plan.buckets):
+            key = model_key(bucket.strategy)
+            is_home = key == self.home_key
+            if bucket.num_micro_batches == 0 and i != last:
+                continue
+            model = self.models[key]
+            self._sync()
+            t0 = time.perf_counter()
+            if not is_home and key not in self._fresh:
+                self._switch_weights(key)
+                stats.switches += 1
+                self._sync()
+            t1 = time.perf_counter()
+            mbs = self._micro_batches(bucket, model, is_home)
+            for k, mb in enumerate(mbs):
+                if is_home:
+                    self.engine.set_gradient_accumulation_boundary(i == last and k == len(mbs) - 1)
+                    loss = self._loss(self.engine, model, mb, n)
+                    if carried:
+                        self._add_carry()
+                        carried = False
+                    self.engine.backward(loss * self.home_dp, scale_wrt_gas=False)
+                else:
+                    loss = self._loss(model.module, model, mb, n)
+                    loss.backward()
+                if model.groups.tp_index == 0:
+                    loss_sum += loss.detach().double()
+            self._sync()
+            t2 = time.perf_counter()
+            if not is_home:
+                self._carry_grads(key)
+                carried = True
+                stats.switches += 1
+                self._sync()
+            t3 = time.perf_counter()
+            stats.switch_s += (t1 - t0) + (t3 - t2)
+            stats.bucket_s[bucket.edge] = stats.bucket_s.get(bucket.edge, 0.0) + (t2 - t1)
+            stats.micro_batches[bucket.edge] = len(mbs)
+            stats.layouts.append(bucket.strategy.layout.short())
+        dist.all_reduce(loss_sum)
+        stats.loss = float(loss_sum)
+        stats.step_s = time.perf_counter() - start
+        return stats
+
+    def weights_changed(self) -> None:
+        """The home weights changed (optimizer step, checkpoint load): switch them in again."""
+        self._fresh.clear()
+
+    def step(self, plan: MiniBatchPlan) -> StepStats:
+        """:meth:`accumulate`, then the optimizer step in the home layout."""
+        stats = self.accumulate(plan)
+        t0 = time.perf_counter()
+        self.engine.step()
+        self.weights_changed()
+        self._sync()
+        stats.optimizer_s = time.perf_counter() - t0
+        stats.step_s += stats.optimizer_s
+        return stats
