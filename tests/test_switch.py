@@ -1,5 +1,6 @@
 """Hot switching: sharding descriptors, HotSPa Algorithm 1 plans, executed weight and gradient
-switches over gloo (2 and 4 ranks), and Megatron's swap_model_weights on the same layouts."""
+switches over gloo (2 and 4 ranks), Megatron's swap_model_weights on the same layouts, and the
+descriptors against the ring and Cannon temporal layers' own weights (strided ones included)."""
 
 from __future__ import annotations
 
@@ -43,9 +44,7 @@ for _i in range(2):
     SPECS |= {
         f"l{_i}.norm": ParamSpec((8,), sequence_parallel_grad=True, layer=_i),
         f"l{_i}.qkv": ParamSpec((12, 8), True, 0, cannon_blocks=True, layer=_i),
-        f"l{_i}.qkv_bias": ParamSpec(
-            (12,), True, 0, sequence_parallel_grad=True, cannon_blocks=True, layer=_i
-        ),
+        f"l{_i}.qkv_bias": ParamSpec((12,), True, 0, layer=_i),
         f"l{_i}.fc1": ParamSpec((16, 8), True, 0, 2, cannon_blocks=True, layer=_i),
         f"l{_i}.fc2": ParamSpec((8, 8), True, 1, cannon_blocks=True, layer=_i),
         f"l{_i}.fc2_bias": ParamSpec((8,), sequence_parallel_grad=True, layer=_i),
@@ -82,24 +81,44 @@ def test_megatron_pieces_match_chunking():
         assert torch.equal(_local(full, ParamSpec((16, 6)), tp2, r), full)
 
 
-def test_cannon_home_blocks_are_pre_skewed():
-    # W is [K, N]; Megatron stores W^T = [N, K]. Rank (r, c) holds W[(r+c)%q, c], so its
-    # storage is W^T[c-block, (r+c)%q-block]; a column bias holds block c (replicated over r).
-    q, K, N = 3, 6, 9
-    W = torch.randn(K, N)
-    cannon = Placement.of(Layout(tp=9, tp_mode="cannon"), 0)
-    weight, bias = (
-        ParamSpec((N, K), True, 0, cannon_blocks=True),
-        ParamSpec((N,), True, 0, cannon_blocks=True),
+def _megatron_index(n: int, size: int, stride: int, rank: int) -> torch.Tensor:
+    """Megatron's shard of n features: n/(size*stride) pieces, rank d takes pieces d, d+size,
+    ... (stride 2: [gate_d; up_d]); written from Megatron's definition, not our helpers."""
+    width = n // (size * stride)
+    return torch.cat(
+        [
+            torch.arange((k * size + rank) * width, (k * size + rank + 1) * width)
+            for k in range(stride)
+        ]
     )
-    b = torch.randn(N)
-    kb, nb = K // q, N // q
-    for t in range(9):
+
+
+def _megatron_order(n: int, size: int, stride: int) -> torch.Tensor:
+    """Feature order of W', the concatenation of Megatron's shards in rank order."""
+    return torch.cat([_megatron_index(n, size, stride, d) for d in range(size)])
+
+
+@pytest.mark.parametrize("stride", [1, 2, 3])
+def test_cannon_home_blocks_are_pre_skewed(stride):
+    # Reference (layers/cannon.py, layers/linear.py): the weight is stored Megatron-style
+    # [out, in] = [N, K]; W' reorders the partitioned dim so Megatron's P = q*q shards are
+    # consecutive; rank (r, c) holds W'[N-block c, K-block (r+c) % q]. A column bias is
+    # Megatron's shard of rank r*q + c.
+    q, P, n, k = 3, 9, 9 * stride * 2, 6
+    cannon = Placement.of(Layout(tp=9, tp_mode="cannon"), 0)
+    column_w, row_w = torch.randn(n, k), torch.randn(k, n)
+    column_ordered = column_w[_megatron_order(n, P, stride)]
+    row_ordered = row_w[:, _megatron_order(n, P, stride)]
+    column = ParamSpec((n, k), True, 0, stride, cannon_blocks=True)
+    row = ParamSpec((k, n), True, 1, stride, cannon_blocks=True)
+    bias, b = ParamSpec((n,), True, 0, stride), torch.randn(n)
+    for t in range(P):
         r, c = divmod(t, q)
-        k = (r + c) % q
-        want = W[k * kb : (k + 1) * kb, c * nb : (c + 1) * nb].T
-        assert torch.equal(_local(W.T.contiguous(), weight, cannon, t), want)
-        assert torch.equal(_local(b, bias, cannon, t), b[c * nb : (c + 1) * nb])
+        want = column_ordered.chunk(q, 0)[c].chunk(q, 1)[(r + c) % q]
+        assert torch.equal(_local(column_w, column, cannon, t), want)
+        want = row_ordered.chunk(q, 0)[c].chunk(q, 1)[(r + c) % q]
+        assert torch.equal(_local(row_w, row, cannon, t), want)
+        assert torch.equal(_local(b, bias, cannon, t), b[_megatron_index(n, P, stride, t)])
     # without cannon_blocks a TP parameter is split 1-d over all q*q ranks, as in Megatron
     emb = ParamSpec((18, 4), True, 0)
     assert [p.box for p in tp_pieces(emb, cannon.layout, 4)] == [((8, 10), (0, 4))]
@@ -108,20 +127,15 @@ def test_cannon_home_blocks_are_pre_skewed():
 @pytest.mark.parametrize("layout", [DP4, DP2TP2, TP4, RING4, CANNON4, TP2PP2])
 def test_regions_tile_every_parameter(layout):
     # Within one model replica (the ranks of dp index 0), each stage that owns a parameter
-    # holds every element of it exactly once per TP copy: once for TP-split parameters, q
-    # times for Cannon column biases (repeated over the torus rows), tp times when replicated.
+    # holds every element of it exactly once per TP copy: once for TP-split parameters, tp
+    # times when replicated.
     placement = Placement.of(layout, 2)
     for name, spec in SPECS.items():
         count = torch.zeros(spec.shape, dtype=torch.int64)
         for rank in range(layout.tp * layout.pp):
             for piece in rank_pieces(spec, placement, rank):
                 count[tuple(slice(a, b) for a, b in piece.box)] += 1
-        if not spec.tensor_model_parallel:
-            tp_copies = layout.tp
-        elif layout.tp_mode == "cannon" and spec.cannon_blocks and len(spec.shape) == 1:
-            tp_copies = math.isqrt(layout.tp)
-        else:
-            tp_copies = 1
+        tp_copies = 1 if spec.tensor_model_parallel else layout.tp
         stages = len(param_stages(spec, placement))
         assert torch.equal(count, torch.full(spec.shape, stages * tp_copies)), name
 
@@ -161,6 +175,10 @@ def test_bad_shapes_raise_config_errors():
         tp_pieces(ParamSpec((10, 4), True, 0, partition_stride=2), Layout(tp=4), 0)
     with pytest.raises(ConfigError, match="partition_dim"):
         ParamSpec((4,), True, 1)
+    with pytest.raises(ConfigError, match="drop cannon_blocks"):
+        ParamSpec((4,), True, 0, cannon_blocks=True)
+    with pytest.raises(ConfigError, match="2 Cannon blocks"):
+        tp_pieces(ParamSpec((8, 3), True, 0, cannon_blocks=True), CANNON4, 0)
     with pytest.raises(ConfigError, match="same"):
         SwitchPlanner(SPECS, 2).weights(Layout(dp=4), Layout(dp=2))
 
@@ -429,6 +447,7 @@ def _chain_worker(rank: int, world: int) -> None:
     assert all(torch.equal(dst[n], t) for n, t in _locals(full, plan.dst, me).items())
 
     _megatron_compare(rank, groups, full)
+    _check_temporal_layers(rank)  # same launch: a launch costs seconds of start-up
 
 
 def _megatron_compare(rank: int, groups, full) -> None:
@@ -498,6 +517,8 @@ def _megatron_compare(rank: int, groups, full) -> None:
 
 @pytest.mark.dist
 def test_switch_chain_on_4_ranks():
+    """Weight and gradient chains, Megatron's resharding, and the descriptors against the
+    temporal layers (``_check_temporal_layers``), in one launch of 4 gloo ranks."""
     run_workers(_chain_worker, 4)
 
 
@@ -534,3 +555,107 @@ def _two_rank_worker(rank: int, world: int) -> None:
 @pytest.mark.dist
 def test_switch_on_2_ranks():
     run_workers(_two_rank_worker, 2)
+
+
+# --------------------------------------------------------------------------------------
+# Descriptors against the temporal layers themselves (gloo)
+# --------------------------------------------------------------------------------------
+
+# Tolerance of the forward checks: max |fp32 - fp64| <= 1e-5 * max |fp64|. The layers compute
+# in fp32 from fp32 weights (exact copies) and the fp64 input rounded to fp32 (2^-24
+# relative); each output is a length-8 dot product plus a bias, so its rounding error is about
+# 9 * 2^-24 ~ 5e-7 of the terms' magnitude, which Cannon and the ring only reorder; 1e-5 is
+# > 10x that, while a scrambled weight or bias errs by O(1).
+RTOL = 1e-5
+
+
+def _temporal(kind: str, mode: str, stride: int, full: torch.Tensor, group):
+    """A temporal linear whose master weight is ``full`` [out, in], sharded by the layer's own
+    construction path (use_cpu_initialization: master -> Megatron order -> this rank's block)."""
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    from ds_stpar.layers import TemporalColumnParallelLinear, TemporalRowParallelLinear
+
+    config = ModelParallelConfig(
+        tensor_model_parallel_size=group.size(), sequence_parallel=True, use_cpu_initialization=True
+    )
+    out_features, in_features = full.shape
+    common = {
+        "config": config,
+        "init_method": lambda master: master.copy_(full),
+        "stride": stride,
+        "tp_group": group,
+        "tp_mode": mode,
+    }
+    if kind == "column":
+        return TemporalColumnParallelLinear(in_features, out_features, **common)
+    return TemporalRowParallelLinear(
+        in_features, out_features, bias=True, input_is_parallel=True, skip_bias_add=False, **common
+    )
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+    err = (actual.double() - expected).abs().max().item()
+    assert err <= RTOL * expected.abs().max().item(), (what, err)
+
+
+def _check_temporal_layers(rank: int) -> None:
+    """The descriptors against real ring and Cannon layers on the 4-rank world."""
+    import torch.nn.functional as F
+
+    from ds_stpar.parallel import GroupCache
+
+    group = GroupCache().get(CANNON4).tp_group  # the world: RING4 and CANNON4 share it
+    # 1. Every rank's local weight is exactly the pieces the descriptor (read from the
+    # parameter) names. Distinct integer values (exact in fp32) expose any reordering.
+    n, k = 24, 8  # partitioned dim divisible by 4 ranks x stride 1, 2, 3; the other by q = 2
+    cases = [("column", "cannon", s) for s in (1, 2, 3)]
+    cases += [("column", "ring", 2), ("row", "cannon", 1), ("row", "cannon", 2)]
+    for kind, mode, stride in cases:
+        layout = CANNON4 if mode == "cannon" else RING4
+        dim = 0 if kind == "column" else 1
+        shape = (n, k) if kind == "column" else (k, n)
+        full = torch.arange(float(n * k)).view(shape)
+        layer = _temporal(kind, mode, stride, full, group)
+        spec = ParamSpec.from_param(layer.weight, layout, layer=0)
+        assert spec == ParamSpec(shape, True, dim, stride, cannon_blocks=True, layer=0)
+        local = _local(full, spec, Placement.of(layout, 1), rank)
+        assert torch.equal(layer.weight.data, local), (kind, mode, stride)
+        if kind == "column":
+            bias = ParamSpec.from_param(layer.bias, layout, layer=0)
+            assert bias == ParamSpec((n,), True, 0, stride, layer=0)
+            assert local_shape(bias, layout) == tuple(layer.bias.shape)
+        with pytest.raises(ConfigError, match="not one of layout"):  # built for the other mode
+            ParamSpec.from_param(layer.weight, RING4 if mode == "cannon" else CANNON4)
+
+    # 2. dp4 -> cannon4 -> ring4 for GLU fc1 (stride 2) with its bias: the switched layers
+    # compute the full linear. Reference: float64 F.linear on one device; the column output
+    # of TP rank t is Megatron's shard t of the output features.
+    gen = torch.Generator().manual_seed(7)
+    weight, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    x = torch.randn(8, 2, k, generator=gen, dtype=torch.float64)  # [s, b, K]
+    ref = F.linear(x, weight.double(), bias.double())[..., _megatron_index(n, 4, 2, rank)]
+    nan = torch.full_like(weight, float("nan"))
+    layers = {
+        layout: _temporal("column", m, 2, nan, group)
+        for layout, m in ((CANNON4, "cannon"), (RING4, "ring"))
+    }
+    specs = {
+        "fc1.weight": ParamSpec.from_param(layers[CANNON4].weight, CANNON4, layer=0),
+        "fc1.bias": ParamSpec.from_param(layers[CANNON4].bias, CANNON4, layer=0),
+    }
+    # one descriptor per parameter, whichever layout's layer it is read from
+    assert ParamSpec.from_param(layers[RING4].weight, RING4, layer=0) == specs["fc1.weight"]
+    assert ParamSpec.from_param(layers[RING4].bias, RING4, layer=0) == specs["fc1.bias"]
+    planner = SwitchPlanner(specs, gpus_per_node=2)
+    current = {"fc1.weight": weight.clone(), "fc1.bias": bias.clone()}
+    for src, dst in ((DP4, CANNON4), (CANNON4, RING4)):
+        layer = layers[dst]
+        target = {"fc1.weight": layer.weight.data, "fc1.bias": layer.bias.data}
+        target["fc1.bias"].fill_(float("nan"))
+        switch(current, target, planner.weights(src, dst))
+        with torch.no_grad():
+            y, _ = layer(x.chunk(4)[rank].float())  # [s/P, b, K] -> [s, b, N/P]
+        _close(y, ref, f"{src.short()} -> {dst.short()}")
+        current = target

@@ -6,23 +6,27 @@ region of the full tensor, ``((start, stop), ...)`` per dim; a :class:`Piece` sa
 box's first element sits in the local tensor. Rank coordinates follow ``Layout.coords``:
 ``rank = (dp_index * pp + pp_index) * tp + tp_index``.
 
-Tensor-parallel sharding (Megatron's parameter attributes, same meaning):
+Tensor-parallel sharding is the layers' own rule (``ds_stpar.layers.linear``), computed with
+their helpers so the two cannot drift. Along ``partition_dim`` the full tensor is first put in
+Megatron order, ``W' = megatron_weight_order(full, partition_dim, tp, stride)`` (dim of length n
+cut into ``tp * stride`` chunks of ``n/(tp*stride)``; TP rank t's Megatron shard is chunks
+``t, t + tp, ..., t + (stride-1)*tp`` stacked in that order, and W' concatenates the shards in
+rank order); the local tensor is ``take_block(W', offsets)``:
 
 * not ``tensor_model_parallel``: every TP rank holds the whole tensor.
-* ``tensor_model_parallel`` (tp_mode megatron or ring, or cannon without ``cannon_blocks``):
-  dim ``partition_dim`` of length n is cut into ``tp * stride`` chunks of ``c = n/(tp*stride)``;
-  TP rank t holds chunks ``t, t + tp, ..., t + (stride-1)*tp`` stacked in that order. With
-  ``stride=2`` (GLU fc1, full tensor ``[gate; up]``) rank t holds ``[gate_t; up_t]``::
+* ``tensor_model_parallel`` (tp_mode megatron or ring; under cannon every parameter without
+  ``cannon_blocks``: embeddings, column biases): ``offsets = ((partition_dim, t, tp),)``,
+  Megatron's shard. With ``stride=2`` (GLU fc1, full tensor ``[gate; up]``) rank t holds
+  ``[gate_t; up_t]``.
+* ``cannon_blocks`` (a 2-D weight [out, in] = [N, K] of a temporal linear) under tp_mode
+  cannon (tp = q*q, TP rank t = r*q + c): ``offsets = cannon_weight_offsets(t, tp)``, the
+  pre-skewed home block ``W'[NB_c, KB_(r+c)%q]`` (``layers/cannon.py``). Along
+  ``partition_dim`` the block is the q consecutive Megatron shards ``cq .. cq+q-1``, so with
+  stride 2 (fc1, q = 2) rank (r, 0) holds rows ``[gate_0; up_0; gate_1; up_1]``, not
+  ``[gate_0 gate_1; up_0 up_1]``. The Cannon column bias is [N/P], Megatron's shard (the
+  previous bullet), added to the column output after its re-layout.
 
-      local[k*c:(k+1)*c] = full[(k*tp + t)*c : (k*tp + t + 1)*c]      k = 0..stride-1
-
-* ``cannon_blocks`` under tp_mode cannon (tp = q*q, TP rank t = r*q + c on a row-major
-  torus): a weight stored Megatron-style ``[out, in]`` = ``[N, K]`` (W^T of the GEMM
-  ``Y = X W``, W: ``[K, N]``) is held as the pre-skewed Cannon home block
-  ``W[(r+c)%q, c]``: dim 0 (N) cut into q blocks, block c; dim 1 (K) cut into q blocks,
-  block ``(r+c)%q``. ``partition_stride`` applies along ``partition_dim`` as above (chunks
-  ``c, c+q, ...``). A 1-D ``cannon_blocks`` parameter (the column bias, added to the output
-  block Y[r, c]) is cut into q blocks along dim 0, block c: replicated over the torus rows r.
+A piece is a maximal run of consecutive full-tensor indices per dim of the local block.
 
 Pipeline ownership: a parameter of transformer layer ``layer`` lives on the stage that runs
 that layer (``config.stage_layers``; with interleaving, model chunk ``layer // vpp_layers``
@@ -34,8 +38,8 @@ Gradient copies. Before any reduction, the copies of one region that a layout ho
 either *partial* sums (to be added) or *identical* (computed redundantly). Copies in different
 DP replicas are partial; copies on different pipeline stages (tied embeddings) are partial;
 copies on different TP ranks are partial when the parameter is ``sequence_parallel_grad``
-(Megatron's ``sequence_parallel`` attribute: norms and row biases under sequence parallelism,
-Cannon column biases) and the strategy runs sequence parallel, identical otherwise.
+(Megatron's ``sequence_parallel`` attribute: norms and row biases under sequence parallelism)
+and the strategy runs sequence parallel, identical otherwise.
 :func:`grad_class` names the class of a copy: one class = one partial sum; its members hold
 identical values.
 """
@@ -48,8 +52,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ds_stpar.config import Layout, ModelSpec, Strategy, stage_layers
 from ds_stpar.errors import ConfigError
+from ds_stpar.layers.linear import Offsets, megatron_weight_order, shard_offsets, take_block
 
 Box = tuple[tuple[int, int], ...]
 STAGES = ("first", "last", "first+last", "all")
@@ -86,8 +93,10 @@ def intersect(a: Box, b: Box) -> Box | None:
 class ParamSpec:
     """One parameter: full shape, TP attributes (Megatron's names), placement over stages.
 
-    ``layer``: global transformer-layer index (0-based) or None for parameters outside the
-    blocks, whose stages ``stages`` names (one of :data:`STAGES`).
+    ``cannon_blocks``: a 2-D [out, in] weight of a temporal linear, held as a Cannon block
+    under tp_mode cannon (module docstring). ``layer``: global transformer-layer index
+    (0-based) or None for parameters outside the blocks, whose stages ``stages`` names (one of
+    :data:`STAGES`).
     """
 
     shape: tuple[int, ...]
@@ -109,6 +118,11 @@ class ParamSpec:
             )
         if self.partition_stride < 1:
             raise ConfigError(f"partition_stride must be >= 1, got {self.partition_stride}")
+        if self.cannon_blocks and len(self.shape) != 2:
+            raise ConfigError(
+                f"cannon_blocks describes a 2-d [out, in] weight, got shape {self.shape} (a "
+                "Cannon layer's column bias is Megatron's shard: drop cannon_blocks)"
+            )
         if self.layer is not None and self.layer < 0:
             raise ConfigError(f"layer index must be >= 0, got {self.layer}")
         if self.layer is None and self.stages not in STAGES:
@@ -118,28 +132,40 @@ class ParamSpec:
     def from_param(
         cls, param: Any, layout: Layout, *, layer: int | None = None, stages: str = "all"
     ) -> ParamSpec:
-        """Read Megatron's attributes (and ``cannon_blocks``) from a local parameter of
-        ``layout`` and infer the full shape: local x tp along ``partition_dim``, or local x q
-        along both dims for Cannon blocks (vocabulary padding must already be common to every
-        layout: full shapes are compared across layouts)."""
+        """Read Megatron's TP attributes and the temporal layers' ``stpar_tp_mode`` /
+        ``stpar_shard_offsets`` from a local parameter of ``layout``; infer the full shape.
+
+        A temporal linear's weight (it carries ``stpar_tp_mode``, ring or cannon) is a Cannon
+        block weight (``cannon_blocks``; an explicit ``cannon_blocks`` attribute overrides).
+        The full shape is the local one times the block counts of the layout's offsets
+        (local x tp along ``partition_dim``, or local x q along both dims for Cannon blocks);
+        a weight whose ``stpar_shard_offsets`` count other blocks was built for another
+        layout. Vocabulary padding must already be common to every layout: full shapes are
+        compared across layouts. Caveat: a Megatron layer's weight (tp_mode megatron) carries
+        no ``stpar_tp_mode``, so read Cannon-ness from a ring or Cannon model's parameter."""
         tmp = bool(getattr(param, "tensor_model_parallel", False))
         dim = int(getattr(param, "partition_dim", 0))
-        blocks = bool(getattr(param, "cannon_blocks", False))
+        stride = int(getattr(param, "partition_stride", 1))
+        blocks = bool(getattr(param, "cannon_blocks", hasattr(param, "stpar_tp_mode")))
         shape = list(param.shape)
-        if tmp and layout.tp_mode == "cannon" and blocks:
-            q = math.isqrt(layout.tp)
-            shape[0] *= q
-            if len(shape) == 2:
-                shape[1] *= q
-        elif tmp:
-            shape[dim] *= layout.tp
+        if tmp:
+            offsets = _offsets(len(shape), dim, blocks, layout.tp, layout.tp_mode, 0)
+            held = getattr(param, "stpar_shard_offsets", None)
+            if held is not None and _cuts(held) != _cuts(offsets):
+                raise ConfigError(
+                    f"a parameter sharded as {held} (blocks of the Megatron-ordered weight) "
+                    f"is not one of layout {layout.short()}: pass the layout its model was "
+                    "built for"
+                )
+            for axis, _, parts in offsets:
+                shape[axis] *= parts
         return cls(
             shape=tuple(shape),
             tensor_model_parallel=tmp,
             partition_dim=dim,
-            partition_stride=int(getattr(param, "partition_stride", 1)),
+            partition_stride=stride,
             sequence_parallel_grad=bool(getattr(param, "sequence_parallel", False)),
-            cannon_blocks=blocks,
+            cannon_blocks=blocks and len(shape) == 2,
             layer=layer,
             stages=stages,
         )
@@ -196,15 +222,38 @@ def param_stages(spec: ParamSpec, placement: Placement) -> tuple[int, ...]:
     }[spec.stages]
 
 
-def _axis_chunks(n: int, parts: int, index: int, stride: int, what: str) -> list[tuple]:
-    """[(start, stop, local_start)] of the chunks ``index, index+parts, ...`` of dim length n."""
-    if n % (parts * stride):
+def _offsets(ndim: int, partition_dim: int, blocks: bool, tp: int, mode: str, t: int) -> Offsets:
+    """``linear.shard_offsets`` of TP rank ``t``: a 2-D Cannon block weight under cannon,
+    Megatron's shard (the ring layers' and Megatron's own) otherwise."""
+    cannon = mode == "cannon" and blocks and ndim == 2
+    return shard_offsets("cannon" if cannon else "ring", partition_dim, t, tp)
+
+
+def _cuts(offsets: Offsets) -> list[tuple[int, int]]:
+    """(axis, parts) of the axes ``offsets`` actually cut."""
+    return [(axis, parts) for axis, _, parts in offsets if parts > 1]
+
+
+def _axis_runs(n: int, order: tuple[int, int] | None, blocks: Offsets, what: str) -> list[tuple]:
+    """[(start, stop, local_start)]: the maximal runs of consecutive full indices along one
+    dim of length n in the local block. ``order``: (tp, stride) when this is the partition
+    dim (Megatron order first); ``blocks``: this dim's (0, index, parts) offsets."""
+    need = math.prod(parts for _, _, parts in blocks)
+    if order is not None:
+        need = math.lcm(need, order[0] * order[1])
+    if n % need:
+        cut = f"{order[0]} ranks x stride {order[1]}" if order else f"{need} Cannon blocks"
         raise ConfigError(
-            f"{what}: length {n} is not divisible by {parts} ranks x stride {stride}; pad it "
-            f"(e.g. the vocabulary) to a multiple of every layout's TP degree"
+            f"{what}: length {n} is not divisible by {cut}; pad it (e.g. the vocabulary) to a "
+            "multiple of every layout's TP degree"
         )
-    c = n // (parts * stride)
-    return [((k * parts + index) * c, (k * parts + index + 1) * c, k * c) for k in range(stride)]
+    index = torch.arange(n)
+    if order is not None:
+        index = megatron_weight_order(index, 0, *order)
+    index = take_block(index, blocks)
+    breaks = (torch.nonzero(index[1:] != index[:-1] + 1).flatten() + 1).tolist()
+    starts, stops = [0, *breaks], [*breaks, len(index)]
+    return [(int(index[a]), int(index[b - 1]) + 1, a) for a, b in zip(starts, stops)]
 
 
 def tp_pieces(spec: ParamSpec, layout: Layout, tp_index: int) -> tuple[Piece, ...]:
@@ -223,22 +272,17 @@ def tp_pieces(spec: ParamSpec, layout: Layout, tp_index: int) -> tuple[Piece, ..
 
 @functools.lru_cache(maxsize=4096)
 def _tp_pieces(shape, tensor_parallel, partition_dim, stride, cannon_blocks, tp, mode, tp_index):
-    # per dim: (parts, block index, stride)
-    axes = [(1, 0, 1)] * len(shape)
-    if tensor_parallel and tp > 1:
-        if mode == "cannon" and cannon_blocks:
-            if len(shape) > 2:
-                raise ConfigError(f"Cannon blocks need a 1-d or 2-d parameter, got {shape}")
-            q = math.isqrt(tp)
-            r, c = divmod(tp_index, q)
-            axes[0] = (q, c, stride if partition_dim == 0 else 1)
-            if len(shape) == 2:
-                axes[1] = (q, (r + c) % q, stride if partition_dim == 1 else 1)
-        else:
-            axes[partition_dim] = (tp, tp_index, stride)
+    if not tensor_parallel or tp == 1:
+        return (Piece(tuple((0, n) for n in shape), (0,) * len(shape)),)
+    offsets = _offsets(len(shape), partition_dim, cannon_blocks, tp, mode, tp_index)
     per_dim = [
-        _axis_chunks(n, parts, index, step, f"parameter of shape {shape}, dim {d}")
-        for d, (n, (parts, index, step)) in enumerate(zip(shape, axes))
+        _axis_runs(
+            n,
+            (tp, stride) if d == partition_dim else None,
+            tuple((0, index, parts) for axis, index, parts in offsets if axis == d),
+            f"parameter of shape {shape}, dim {d}",
+        )
+        for d, n in enumerate(shape)
     ]
     pieces = [((), ())]
     for chunks in per_dim:
@@ -329,17 +373,10 @@ def model_param_specs(model: ModelSpec, tp_degrees: Iterable[int] = (1,)) -> dic
         if norm_bias:
             layer["input_layernorm.bias"] = layer["pre_mlp_layernorm.bias"] = norm
         if bias:
-            layer["self_attention.linear_qkv.bias"] = ParamSpec(
-                (qkv,), sequence_parallel_grad=True, cannon_blocks=True, **col
-            )
+            # column biases: Megatron's shard in every mode, complete gradients (all tokens)
+            layer["self_attention.linear_qkv.bias"] = ParamSpec((qkv,), **col)
             layer["self_attention.linear_proj.bias"] = norm
-            layer["mlp.linear_fc1.bias"] = ParamSpec(
-                (fc1,),
-                partition_stride=stride,
-                sequence_parallel_grad=True,
-                cannon_blocks=True,
-                **col,
-            )
+            layer["mlp.linear_fc1.bias"] = ParamSpec((fc1,), partition_stride=stride, **col)
             layer["mlp.linear_fc2.bias"] = norm
         specs.update({p + k: v for k, v in layer.items()})
     final = ParamSpec((h,), sequence_parallel_grad=True, stages="last")
