@@ -10,6 +10,9 @@ layout); :data:`COMMANDS` lists them, so a new subcommand is one function and on
 - ``estimate``: time and memory of one given strategy (``--json`` for one JSON object).
 - ``profile``: measure this machine's GEMM and memory speed (and collectives when launched
   by torchrun) into a JSON file that ``--profile`` feeds back to ``plan``/``estimate``.
+- ``buckets``: sequence-length buckets for a dataset (edges and one layout per bucket,
+  :mod:`ds_stpar.planner.buckets`) against the best static layout; ``plan --data`` writes
+  them into ds_stpar.json.
 
 Human-readable output goes to stdout; with ``--json`` stdout carries only the JSON object.
 A user mistake (:class:`~ds_stpar.errors.StparError`) prints ``ds-stpar: error: <message>``
@@ -48,6 +51,9 @@ DEFAULT_GPUS = 8
 DEFAULT_SEQ_LEN = 2048
 DEFAULT_GLOBAL_BATCH = 512
 SHOW_REJECTED = 8  # rejected families printed by `plan`; plan.md and --json list them all
+# planner.buckets' defaults, repeated here because importing it loads torch (tests compare)
+DEFAULT_MAX_BUCKETS = 4
+DEFAULT_MIN_EDGE = 256
 
 # GPUSpec fields a user may override: flag -> (field, help).
 GPU_FIGURES = {
@@ -126,6 +132,81 @@ def _inputs(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainSpec
     return model, cluster, train
 
 
+def _add_data_args(parser: argparse.ArgumentParser, required: bool) -> None:
+    """The dataset and bucket options of ``buckets`` (``--data`` required) and ``plan``."""
+    data = parser.add_argument_group("data and sequence-length buckets")
+    data.add_argument(
+        "--data",
+        metavar="PATH",
+        required=required,
+        help="documents: a .jsonl/.json/.parquet file, a Dataset.save_to_disk folder or a "
+        "folder of text files"
+        + ("" if required else "; plans sequence-length buckets for them (see `buckets`)"),
+    )
+    column = data.add_mutually_exclusive_group()
+    column.add_argument(
+        "--text-column", default="text", help="column of texts to tokenize (default text)"
+    )
+    column.add_argument("--ids-column", help="column of token ids (instead of texts)")
+    data.add_argument(
+        "--tokenizer",
+        default="bytes",
+        help="bytes (UTF-8 bytes + EOS, no download) or a local tokenizer.json (default bytes)",
+    )
+    data.add_argument(
+        "--max-buckets",
+        type=int,
+        default=DEFAULT_MAX_BUCKETS,
+        help=f"at most this many buckets (default {DEFAULT_MAX_BUCKETS})",
+    )
+    data.add_argument(
+        "--min-edge",
+        type=int,
+        default=DEFAULT_MIN_EDGE,
+        help="smallest candidate bucket edge; candidates are the powers of two from it up to "
+        f"--seq-len (default {DEFAULT_MIN_EDGE})",
+    )
+
+
+def _document_lengths(args: argparse.Namespace):
+    """Token counts of the documents at ``--data`` (tokenized unless ``--ids-column``)."""
+    import datasets
+
+    from ds_stpar.seqbucket.data import load_documents
+    from ds_stpar.seqbucket.lengths import document_lengths
+    from ds_stpar.seqbucket.tokenize import load_tokenizer
+
+    datasets.disable_progress_bars()  # stdout/stderr carry only our output
+    tokenizer = None if args.ids_column else load_tokenizer(args.tokenizer)
+    docs = load_documents(
+        args.data, text_column=args.text_column, ids_column=args.ids_column, tokenizer=tokenizer
+    )
+    return document_lengths(docs)
+
+
+def _bucket_plan(args: argparse.Namespace, model: ModelSpec, cluster: ClusterSpec, train):
+    from ds_stpar.planner.buckets import plan_buckets
+
+    return plan_buckets(
+        _document_lengths(args),
+        model,
+        cluster,
+        train,
+        max_buckets=args.max_buckets,
+        min_edge=args.min_edge,
+        tp_modes=tuple(args.tp_modes),
+        allow_tp_across_nodes=args.allow_tp_across_nodes or None,
+    )
+
+
+def _print_buckets(plan) -> None:
+    from ds_stpar.planner.emit import BUCKET_HEADERS, bucket_rows, bucket_summary
+
+    print(ascii_table(BUCKET_HEADERS, bucket_rows(plan)))
+    for line in bucket_summary(plan):
+        print(line)
+
+
 def ascii_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A boxed table; text columns left-aligned, numeric ones (no letters) right-aligned."""
     cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
@@ -187,6 +268,7 @@ def plan_command_parser(subparsers=None) -> argparse.ArgumentParser:
         help="tensor-parallel modes to consider (default: all)",
     )
     out.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
+    _add_data_args(parser, required=False)
     parser.set_defaults(func=plan_command)
     return parser
 
@@ -266,6 +348,7 @@ def plan_command(args: argparse.Namespace) -> int:
     )
     if not result.top:
         raise DoesNotFitError(does_not_fit_message(result, model, cluster, train, args))
+    buckets = _bucket_plan(args, model, cluster, train) if args.data else None
     files = {}
     if args.out:
         files = emit.plan_files(
@@ -275,6 +358,7 @@ def plan_command(args: argparse.Namespace) -> int:
             train,
             tp_modes=args.tp_modes,
             allow_tp_across_nodes=args.allow_tp_across_nodes or None,
+            buckets=buckets,
         )
     written = [str(p) for p in emit.write_files_atomically(args.out, files)] if files else []
     if args.json:
@@ -290,6 +374,8 @@ def plan_command(args: argparse.Namespace) -> int:
             "rejected": result.rejected,
             "files": written,
         }
+        if buckets is not None:
+            report["buckets"] = buckets.to_dict()
         print(json.dumps(report, indent=2))
         return 0
     best = result.top[0]
@@ -307,6 +393,9 @@ def plan_command(args: argparse.Namespace) -> int:
             print(f"  {family}: {reason}")
         if len(rejected) > SHOW_REJECTED:
             print(f"  ... {len(rejected) - SHOW_REJECTED} more in plan.md (--out) and --json")
+    if buckets is not None:
+        print(f"sequence-length buckets for {args.data} (packed documents):")
+        _print_buckets(buckets)
     if written:
         print("wrote " + ", ".join(written))
     else:
@@ -474,10 +563,83 @@ def profile_command(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------------------
+# buckets
+# --------------------------------------------------------------------------------------
+
+
+def buckets_command_parser(subparsers=None) -> argparse.ArgumentParser:
+    description = (
+        "Plan sequence-length buckets for a dataset: bucket edges and one layout per bucket "
+        "(each over all GPUs, switched in and out every step), chosen by the cost model with "
+        "the switch costs, against the best static layout for the same packed documents."
+    )
+    if subparsers is not None:
+        parser = subparsers.add_parser(
+            "buckets", description=description, help="sequence-length buckets for a dataset"
+        )
+    else:
+        parser = argparse.ArgumentParser("ds-stpar buckets", description=description)
+    _add_input_args(parser)
+    _add_data_args(parser, required=True)
+    out = parser.add_argument_group("output")
+    out.add_argument(
+        "--tp-modes",
+        nargs="+",
+        choices=TP_MODES,
+        default=list(TP_MODES),
+        help="tensor-parallel modes to consider (default: all)",
+    )
+    out.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
+    out.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="draw the length histogram with the bucket edges (needs matplotlib)",
+    )
+    parser.set_defaults(func=buckets_command)
+    return parser
+
+
+def buckets_command(args: argparse.Namespace) -> int:
+    model, cluster, train = _inputs(args)
+    plan = _bucket_plan(args, model, cluster, train)
+    if args.plot:
+        from ds_stpar.planner.buckets import plot_plan
+
+        plot_plan(
+            plan,
+            args.plot,
+            f"{model.name} on {cluster.num_gpus} x {cluster.gpu.name}, seq {train.seq_len}: "
+            f"{plan.speedup:.3f}x predicted",
+        )
+    if args.json:
+        report = {
+            "model": model.name,
+            "num_gpus": cluster.num_gpus,
+            "gpu": cluster.gpu.name,
+            "seq_len": train.seq_len,
+            "data": args.data,
+            **plan.to_dict(),
+            "plot": args.plot,
+        }
+        print(json.dumps(report, indent=2))
+        return 0
+    _print_inputs(model, cluster, train)
+    _print_buckets(plan)
+    if args.plot:
+        print(f"wrote {args.plot}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------
 # main
 # --------------------------------------------------------------------------------------
 
-COMMANDS: list[Callable] = [plan_command_parser, estimate_command_parser, profile_command_parser]
+COMMANDS: list[Callable] = [
+    plan_command_parser,
+    estimate_command_parser,
+    profile_command_parser,
+    buckets_command_parser,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,6 +22,22 @@ with ``d`` its notion of "world": the data-parallel size when an ``mpu`` is pass
 caller that passes no ``mpu`` while ``t p > 1`` fails DeepSpeed's batch assertion. No field
 is left "auto" (HF Trainer would fill train_batch_size from the whole world).
 
+Bucketed plans (``ds-stpar plan --data``, :mod:`ds_stpar.planner.buckets`): the section's
+``buckets`` list holds one strategy per sequence-length bucket, the last (longest) being the
+home layout that the DeepSpeed engine wraps. The number of micro-batches per step then
+varies by bucket and by step, so DeepSpeed's ``GAS`` cannot count a step: the file states
+the home bucket's expected micro-batches per DP rank (rounded up) as
+``gradient_accumulation_steps`` and ``train_batch_size = b x GAS x d`` of the home layout, which
+keeps DeepSpeed's batch assertion true, and nothing else depends on it. The ds_stpar runner
+(seqbucket/runner.py) calls ``engine.backward(loss * d, scale_wrt_gas=False)`` (its losses
+are already normalised by the step's target-token count, seqbucket/loss.py, and DeepSpeed
+averages over the ``d`` DP ranks) and sets the
+accumulation boundary itself (``engine.set_gradient_accumulation_boundary``, True only on the
+step's last home micro-batch), so GAS neither scales the loss nor decides when the optimizer
+steps; integrations/deepspeed.py hands the engine GAS 1 and ``train_batch_size = b x d``.
+``train.global_batch`` in the section is the step's token budget in ``seq_len`` units
+(``tokens_per_step / seq_len``): the sampler cuts steps by tokens.
+
 ZeRO in Megatron-LM terms: ``--use-distributed-optimizer`` shards the fp32 master weights
 and Adam moments over DP, which is ZeRO-1. Megatron-LM's DDP keeps full-size gradient
 buffers and full weights, so ZeRO stages 1, 2 and 3 all map to that flag, and a stage-2/3
@@ -38,7 +54,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ds_stpar.config import (
     TP_MODES,
@@ -55,10 +71,13 @@ from ds_stpar.planner.cost import Estimate, estimate, micro_batches
 from ds_stpar.planner.profile import Calibration
 from ds_stpar.planner.search import SearchResult, search
 
+if TYPE_CHECKING:
+    from ds_stpar.planner.buckets import BucketPlan
+
 PLAN_FILES = ("ds_stpar.json", "megatron_args.txt", "plan.md")
 ALL = 1 << 30  # a top_k that keeps every fitting strategy
 
-MEGATRON_SPEC = ("ds_stpar.layers.megatron_spec", "get_gpt_layer_stpar_spec")
+MEGATRON_SPEC = ("ds_stpar.layers.megatron_spec", "gpt_layer_stpar_spec")
 
 
 @dataclass(frozen=True)
@@ -136,6 +155,7 @@ def deepspeed_config(
     strategy: Strategy,
     *,
     buckets: Sequence[Bucket] | None = None,
+    home_micro_batches: int | None = None,
     optimizer: OptimizerSettings | None = None,
     steps_per_print: int = 10,
     extra: dict | None = None,
@@ -144,13 +164,15 @@ def deepspeed_config(
     """The DeepSpeed config dict for ``strategy`` (the home layout) with the "ds_stpar" section.
 
     ``buckets`` (sorted by length, the last one's strategy being ``strategy``) defaults to one
-    bucket of ``train.seq_len``. ``extra`` lands in the section's ``extra`` next to the GPU
-    figures the plan was made with. The ZeRO bucket size is the one the cost model assumed
+    bucket of ``train.seq_len``. ``home_micro_batches``: for a bucketed plan, the home
+    bucket's micro-batches per DP rank and step, written as GAS (module docstring, "Bucketed
+    plans"); each bucket's strategy is then checked at its own edge. Without it GAS is
+    ``B / (b d)``. ``extra`` lands in the section's ``extra`` next to the GPU figures the plan
+    was made with. The ZeRO bucket size is the one the cost model assumed
     (``calibration.dp_bucket_elements``, DeepSpeed's default 5e8 unless calibrated), and
     ``overlap_comm`` follows its ``overlap_grad_reduce`` where DeepSpeed can overlap (ZeRO >= 1).
     """
     strategy = _megatron_sp(strategy)
-    _check(model, cluster, train, strategy)
     buckets = (
         tuple(Bucket(b.max_len, _megatron_sp(b.strategy)) for b in buckets)
         if buckets
@@ -158,7 +180,18 @@ def deepspeed_config(
     )
     if buckets[-1].strategy != strategy:
         raise ConfigError("the longest bucket's strategy must be the home strategy")
-    gas = micro_batches(train, strategy)
+    if home_micro_batches is None:
+        _check(model, cluster, train, strategy)
+        gas = micro_batches(train, strategy)
+    else:
+        if home_micro_batches < 1:
+            raise ConfigError(f"home micro-batches must be positive, got {home_micro_batches}")
+        gas = home_micro_batches
+        for bucket in buckets:
+            rows = bucket.strategy.micro_batch * bucket.strategy.layout.dp
+            rows *= gas if bucket is buckets[-1] else 1
+            at_edge = dataclasses.replace(train, seq_len=bucket.max_len, global_batch=rows)
+            _check(model, cluster, at_edge, bucket.strategy)
     zero = strategy.zero
     cal = calibration or Calibration.load_default(cluster.gpu.name)
     section = StparConfig(
@@ -442,6 +475,63 @@ def _breakdown(est: Estimate, train: TrainSpec) -> list[str]:
     return lines
 
 
+BUCKET_HEADERS = (
+    "bucket (tokens)",
+    "docs",
+    "tokens",
+    "tokens/step",
+    "rows/step",
+    "strategy",
+    "mb/rank",
+    "time (s)",
+    "switch (s)",
+    "peak GiB",
+)
+
+
+def bucket_rows(plan: BucketPlan) -> list[tuple]:
+    """One row per bucket of a :class:`~ds_stpar.planner.buckets.BucketPlan` (BUCKET_HEADERS)."""
+    return [
+        (
+            f"{b.lo + 1}-{b.edge}",
+            f"{b.documents:,}",
+            f"{b.tokens:,}",
+            f"{b.tokens_per_step:,.0f}",
+            f"{b.rows:.1f}",
+            b.strategy.short(),
+            f"{b.micro_batches:.1f}",
+            f"{b.time_s:.3f}",
+            f"{b.switch_s:.4f}",
+            f"{b.peak_memory_gib:.1f}",
+        )
+        for b in plan.buckets
+    ]
+
+
+def bucket_summary(plan: BucketPlan) -> list[str]:
+    """The data, the static baseline, the bucketed step and the speedup, one line each."""
+    st, seq_len = plan.static, plan.home.edge
+    lines = [
+        f"data: {plan.num_documents:,} documents ({plan.num_split_documents:,} longer than "
+        f"{seq_len} cut into pieces), {plan.num_tokens:,} tokens; steps of "
+        f"{plan.tokens_per_step:,} tokens"
+        + (
+            " (more than the dataset holds: steps are drawn from its length distribution)"
+            if plan.tokens_per_step > plan.num_tokens
+            else ""
+        ),
+        f"static: {st.strategy.short()}: {st.step_s:.3f} s per step ({st.rows:.1f} packed rows of "
+        f"{seq_len}, attention {st.attention_ratio:.2f} of full rows)",
+        f"bucketed: {plan.bucketed_step_s:.3f} s per step = buckets "
+        f"{sum(b.time_s for b in plan.buckets):.3f} + switch {plan.switch_s:.4f} + home DP "
+        f"reduction and optimizer {plan.update_s:.4f}",
+        f"speedup: {plan.speedup:.3f}x",
+    ]
+    if plan.note:
+        lines.append(f"note: {plan.note}")
+    return lines
+
+
 def report_markdown(
     result: SearchResult | Sequence[Estimate],
     model: ModelSpec,
@@ -449,10 +539,12 @@ def report_markdown(
     train: TrainSpec,
     detail: int = 3,
     outputs: Sequence[tuple[str, str]] = (),
+    buckets: BucketPlan | None = None,
 ) -> str:
-    """plan.md: inputs, which strategy each output file holds (``outputs``), ranked layouts,
-    time/memory breakdowns of the best ``detail``, rejected layout families with reasons,
-    and the closest layout when nothing fits."""
+    """plan.md: inputs, which strategy each output file holds (``outputs``), the
+    sequence-length buckets when planned (``buckets``), ranked layouts, time/memory
+    breakdowns of the best ``detail``, rejected layout families with reasons, and the
+    closest layout when nothing fits."""
     if isinstance(result, SearchResult):
         top, rejected, closest, considered = (
             result.top,
@@ -467,6 +559,17 @@ def report_markdown(
     lines += ["", f"{considered} strategies considered, {len(top)} ranked below.", ""]
     if outputs:
         lines += ["## Outputs", "", *_md_table(("file", "strategy"), outputs), ""]
+    if buckets is not None:
+        lines += ["## Sequence-length buckets", ""]
+        lines += [f"- {line}" for line in bucket_summary(buckets)]
+        lines += ["", *_md_table(BUCKET_HEADERS, bucket_rows(buckets)), ""]
+        lines += [
+            "Per step, expected: packed rows and micro-batches per DP rank (padding rows "
+            "included), forward + backward seconds, switch seconds (weights in, gradients "
+            "out), peak memory per GPU with every layout's model resident "
+            "(docs/seqbucket.md). The ranked layouts below are for full-length sequences.",
+            "",
+        ]
     if top:
         lines += ["## Ranked layouts", "", *_md_table(RANKED_HEADERS, ranked_rows(top)), ""]
         for i, est in enumerate(top[:detail], 1):
@@ -514,6 +617,50 @@ def megatron_estimate(
     return next((e for e in found.top if e.strategy.zero <= 1), None)
 
 
+def bucketed_deepspeed_config(
+    plan: BucketPlan,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    train: TrainSpec,
+    optimizer: OptimizerSettings | None = None,
+) -> dict[str, Any]:
+    """:func:`deepspeed_config` for a bucketed plan: its buckets in the "ds_stpar" section, the
+    home bucket's micro-batches as GAS, and the prediction in ``extra.predicted``."""
+    predicted = {
+        "step_time_s": plan.bucketed_step_s,
+        "static_step_time_s": plan.static_step_s,
+        "speedup": plan.speedup,
+        "static_strategy": plan.static.strategy.short(),
+        "switch_s": plan.switch_s,
+        "update_s": plan.update_s,
+        "tokens_per_step": plan.tokens_per_step,
+        "buckets": [
+            {
+                key: getattr(b, key)
+                for key in (
+                    "edge",
+                    "rows",
+                    "micro_batches",
+                    "time_s",
+                    "switch_s",
+                    "peak_memory_gib",
+                )
+            }
+            for b in plan.buckets
+        ],
+    }
+    return deepspeed_config(
+        model,
+        cluster,
+        train,
+        plan.home.strategy,
+        buckets=plan.stpar_buckets(),
+        home_micro_batches=plan.home_micro_batches,
+        optimizer=optimizer,
+        extra={"predicted": predicted},
+    )
+
+
 def plan_files(
     result: SearchResult | Sequence[Estimate],
     model: ModelSpec,
@@ -522,23 +669,39 @@ def plan_files(
     optimizer: OptimizerSettings | None = None,
     tp_modes: Sequence[str] = TP_MODES,
     allow_tp_across_nodes: bool | None = None,
+    buckets: BucketPlan | None = None,
 ) -> dict[str, str]:
-    """The contents of the three plan files: ds_stpar.json for the best fitting strategy,
+    """The contents of the three plan files: ds_stpar.json for the best fitting strategy (or,
+    given ``buckets``, the bucketed plan: :func:`bucketed_deepspeed_config`),
     megatron_args.txt for :func:`megatron_estimate`'s (the best one with ZeRO capped at 1
-    and a "does NOT fit" warning when nothing fits Megatron-LM), plan.md for all of
-    ``result``."""
+    and a "does NOT fit" warning when nothing fits Megatron-LM; Megatron-LM has no buckets),
+    plan.md for all of ``result`` and the buckets."""
     top = result.top if isinstance(result, SearchResult) else list(result)
     fitting = [e for e in top if e.fits]
     if not fitting:
         raise DoesNotFitError(f"no layout of {model.name} fits; nothing to write")
     best = fitting[0]
-    predicted = {
-        key: getattr(best, key)
-        for key in ("step_time_s", "tokens_per_s", "mfu", "hfu", "peak_memory_gib")
-    }
-    ds = deepspeed_config(
-        model, cluster, train, best.strategy, optimizer=optimizer, extra={"predicted": predicted}
-    )
+    if buckets is not None:
+        ds = bucketed_deepspeed_config(buckets, model, cluster, train, optimizer)
+        ds_label = (
+            f"{len(buckets.buckets)} bucket(s) "
+            + ", ".join(f"<={b.edge}: {b.strategy.short()}" for b in buckets.buckets)
+            + f" (DeepSpeed, home {buckets.home.strategy.short()})"
+        )
+    else:
+        predicted = {
+            key: getattr(best, key)
+            for key in ("step_time_s", "tokens_per_s", "mfu", "hfu", "peak_memory_gib")
+        }
+        ds = deepspeed_config(
+            model,
+            cluster,
+            train,
+            best.strategy,
+            optimizer=optimizer,
+            extra={"predicted": predicted},
+        )
+        ds_label = f"{best.strategy.short()} (DeepSpeed), ranked 1"
     mega = megatron_estimate(
         model, cluster, train, tp_modes, allow_tp_across_nodes=allow_tp_across_nodes
     )
@@ -547,7 +710,7 @@ def plan_files(
         cal = Calibration.load_default(cluster.gpu.name).replace(grad_bytes=4)
         mega = estimate(model, cluster, train, capped, cal)
     outputs = [
-        ("ds_stpar.json", f"{best.strategy.short()} (DeepSpeed), ranked 1"),
+        ("ds_stpar.json", ds_label),
         (
             "megatron_args.txt",
             f"{mega.strategy.short()} (Megatron-LM: ZeRO <= 1, fp32 main grads): "
@@ -560,7 +723,7 @@ def plan_files(
         "megatron_args.txt": megatron_args_text(
             model, cluster, train, mega.strategy, optimizer, prediction=mega
         ),
-        "plan.md": report_markdown(result, model, cluster, train, outputs=outputs),
+        "plan.md": report_markdown(result, model, cluster, train, outputs=outputs, buckets=buckets),
     }
 
 
@@ -616,11 +779,15 @@ def write_plan(
     optimizer: OptimizerSettings | None = None,
     tp_modes: Sequence[str] = TP_MODES,
     allow_tp_across_nodes: bool | None = None,
+    buckets: BucketPlan | None = None,
 ) -> list[Path]:
-    """Write ds_stpar.json, megatron_args.txt and plan.md into ``out_dir``, all or nothing.
+    """Write ds_stpar.json, megatron_args.txt and plan.md into ``out_dir``, all or nothing
+    (``buckets``: a bucketed plan for ds_stpar.json and plan.md, :func:`plan_files`).
 
     All three texts are built in memory first (any rule violation raises before the disk is
     touched), then written with :func:`write_files_atomically`.
     """
-    files = plan_files(result, model, cluster, train, optimizer, tp_modes, allow_tp_across_nodes)
+    files = plan_files(
+        result, model, cluster, train, optimizer, tp_modes, allow_tp_across_nodes, buckets
+    )
     return write_files_atomically(out_dir, files)

@@ -1,0 +1,1046 @@
+"""Sequence-length buckets: edges and a strategy per bucket, against the best static layout.
+
+Given the token lengths of a dataset's documents, a model, a cluster and a training setup
+(context ``s`` = ``train.seq_len``, ``T`` = ``train.tokens_per_step`` tokens per optimizer
+step), :func:`plan_buckets` chooses up to ``max_buckets`` bucket edges ``e_1 < ... < e_k = s``
+and a strategy ``S_i`` per bucket, every one over the whole world (``dp tp pp`` = GPUs),
+minimising the expected step time of seqbucket/runner.py's loop::
+
+    step = sum_i bucket_i  +  sum_{i < k} (W(S_k -> S_i) + G(S_i -> S_k))  +  update(S_k)
+
+- ``bucket_i``: forward + backward of bucket ``i``'s packed rows under ``S_i``: the cost
+  model's pipeline time (:func:`~ds_stpar.planner.cost.estimate`'s step minus its DP
+  communication and optimizer, :func:`pass_seconds`) for ``m_i`` micro-batches of ``b_i``
+  rows of ``e_i`` tokens per DP rank;
+- ``W``, ``G``: the switch planner's bandwidth bound (:class:`SwitchCosts`, HotSPa's
+  Algorithm 1 in :mod:`~ds_stpar.seqbucket.switch`) for the ``e``-byte weights home -> ``S_i``
+  before bucket ``i`` and its fp32 gradient back after it. The home layout ``S_k`` (the
+  longest bucket's, where fp32 master weights and optimizer state live) moves nothing.
+  Buckets have distinct models (two buckets sharing a model would differ only in packing
+  budget and micro-batch, and cost an extra gradient carry), so ``k`` buckets switch
+  ``k - 1`` times each way per step, every step (a bucket is charged even in steps that
+  happen to hold none of its documents);
+- ``update``: the home layout's exposed DP gradient reduction and optimizer step, once.
+
+Rows per step. Documents longer than ``s`` are cut into pieces
+(:func:`~ds_stpar.seqbucket.lengths.split_lengths`); a piece of length ``l`` goes to the bucket
+``(e_{i-1}, e_i]`` holding it. Bucket ``i`` gets ``T_i = T x (its share of the dataset's
+tokens)`` tokens per step, packed best-fit-decreasing into rows of ``e_i`` tokens
+(:func:`~ds_stpar.seqbucket.packing.pack_best_fit`): ``rows_i = T_i / (e_i eff_i)``. The
+packing efficiency ``eff_i`` is measured, not assumed (:func:`pack_stats`): the pieces a step
+puts in the bucket (``T x pieces_i / tokens`` of them) are drawn from the dataset's pieces
+of that range and packed, up to :data:`PACK_PIECES` pieces per bucket (a larger step packs a
+subset of that size, slightly pessimistic). Removing short documents from a bucket also
+removes the fillers of its rows' gaps; the measured efficiency of each bucket shows it.
+
+Padding. The runner deals a step's rows to the DP ranks in micro-batches of ``b`` and pads
+every rank to the same count, ``ceil(rows / u)`` micro-batches with ``u = dp b``; the rows of
+a bucket vary from step to step, so the expected count is ``rows / u + (u - 1) / (2u)``, at
+least 1 (:func:`bucket_micro_batches`). The static baseline runs a fixed global batch of
+packed rows and pays no padding (:func:`static_micro_batches`). The cost model is affine in
+the micro-batch count (:func:`affine_timing`), so expected counts are evaluated exactly.
+
+Attention over packed rows. Rows run varlen flash attention over their segments (documents
+and the trailing pad segment, ``cu_seqlens``), which costs ``sum_j l_j^2`` of a full row's
+``e^2``. The measured ``attention_ratio = sum l_j^2 / (rows e^2)`` scales the cost model's
+flash-attention time (:func:`packed_estimate`); padding rows count 1. Unfused attention masks
+a full ``e x e`` matrix and is left as is. The static baseline is scaled the same way.
+
+Memory, per GPU (what the runner allocates; seqbucket/runner.py):
+
+- always: the home layout's model states as the cost model counts them for its ZeRO stage
+  (bf16 weights, gradients, fp32 master weights + Adam moments);
+- with any non-home bucket: the carry, fp32 gradients of the home layout's local shapes
+  (``4 Psi_k``), and for each non-home bucket its model: ``e Psi_i`` weights and ``4 Psi_i``
+  fp32 gradient accumulators (``Psi``: parameters per GPU of that layout). All layouts'
+  models stay resident for the whole step;
+- while bucket ``i`` runs: the cost model's activations, communication buffers, allocator
+  headroom and runtime reserve for ``S_i`` at ``e_i`` (non-home layouts keep no DP reduction
+  bucket, their gradient leaves through the switch, and run no optimizer step). Switch
+  buffers are transient and live between buckets, when no activations are held; they are
+  not counted.
+
+Every bucket must fit: resident + its own active memory <= the GPU's memory.
+
+What the runner executes restricts the bucketed strategies to ``pp = 1`` (Megatron's pipeline
+schedules need CUDA and a Megatron loop), home ZeRO <= 2 (ZeRO-3 shards the parameters that
+the switch reads) and power-of-two micro-batches; non-home buckets hold no optimizer state
+(ZeRO 0).
+
+Static baseline: :func:`~ds_stpar.planner.search.search` at ``s`` over every strategy (any
+pipeline depth, interleaving and ZeRO stage) for the whole step packed best-fit into rows of
+``s``, each fitting candidate timed with its attention ratio (:meth:`_Planner.static`). A
+bucketed plan must beat it by ``min_gain`` per bucket beyond the first (default 1%: closer
+predictions are within the cost model's error, and every bucket costs a model, memory and
+a switch); otherwise the plan IS the static layout: one bucket, no switching.
+
+Search: branch and bound over (home strategy, edge set). Per candidate edge and strategy,
+two estimates give the forward + backward time per micro-batch with no attention and with
+full-row attention; a bucket at attention ratio ``r`` is interpolated between them (exact
+while the GPU bounds the micro-batch; the cost model's host time, when it binds, makes this
+an upper bound). A lower bound per (home, edge set) sums the home bucket (its DP reduction
+bounded below at full attention) and each non-home bucket's fastest option; items are taken
+in bound order, and each is solved by enumerating non-home combinations in order of bucket
+time (distinct models, memory, switch costs added exactly), until the bound passes the best
+plan found. Switch costs come from the real switch planner on the model's 1- and 2-layer
+versions, extrapolated linearly in the layer count (every block has the same parameters and
+placement; tests/test_buckets.py checks it against the full model). The plan reported is
+evaluated directly with the cost model (:meth:`_Planner.timing`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ds_stpar.config import (
+    TP_MODES,
+    Bucket,
+    ClusterSpec,
+    GiB,
+    Layout,
+    ModelSpec,
+    Strategy,
+    TrainSpec,
+)
+from ds_stpar.errors import ConfigError, DataError, DoesNotFitError
+from ds_stpar.planner import memory as mem
+from ds_stpar.planner import rules
+from ds_stpar.planner.compute import Speed
+from ds_stpar.planner.cost import Estimate, Evaluator
+from ds_stpar.planner.profile import Calibration
+from ds_stpar.planner.search import MAX_MICRO_BATCH, families, search
+from ds_stpar.seqbucket.lengths import split_lengths
+from ds_stpar.seqbucket.packing import Piece, pack_best_fit
+from ds_stpar.seqbucket.shards import Placement, model_param_specs
+from ds_stpar.seqbucket.switch import SwitchPlanner
+
+DEFAULT_MAX_BUCKETS = 4
+DEFAULT_MIN_EDGE = 256
+DEFAULT_MIN_GAIN = 0.01  # each bucket beyond the first must buy 1% of the step
+PACK_PIECES = 1024  # pieces per bucket run through the packer to measure its efficiency
+MAX_PACK_GROUPS = 16  # simulated steps per bucket when a step holds few of its pieces
+MAX_COMBINATIONS = 4096  # non-home combinations examined per (home, edge set)
+GRAD_BYTES = 4  # the runner accumulates and carries gradients in fp32
+HOME_ZERO = (0, 1, 2)  # ZeRO-3 shards the home parameters the switch must read
+ALL = 1 << 30  # a search top_k that keeps every fitting strategy
+
+
+# --------------------------------------------------------------------------------------
+# Data: piece lengths and packing
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class Pieces:
+    """A dataset's pieces (documents, those longer than ``seq_len`` cut into chunks), by length.
+
+    ``lengths``: int64 ``[P]`` ascending; ``cum_tokens``: int64 ``[P + 1]`` prefix sums.
+    """
+
+    lengths: np.ndarray
+    cum_tokens: np.ndarray
+    seq_len: int
+    num_documents: int
+    num_split_documents: int
+
+    @classmethod
+    def of(cls, document_lengths: np.ndarray, seq_len: int) -> Pieces:
+        lengths = np.asarray(document_lengths, dtype=np.int64)
+        if lengths.ndim != 1 or (lengths < 0).any():
+            raise DataError("document lengths must be a 1-D array of non-negative token counts")
+        if not lengths.any():
+            raise DataError(f"no tokens in {len(lengths)} documents; nothing to plan buckets for")
+        _, _, piece = split_lengths(lengths, seq_len)
+        piece = np.sort(piece)
+        return cls(
+            lengths=piece,
+            cum_tokens=np.concatenate([[0], np.cumsum(piece)]),
+            seq_len=int(seq_len),
+            num_documents=len(lengths),
+            num_split_documents=int((lengths > seq_len).sum()),
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.cum_tokens[-1])
+
+    def span(self, lo: int, hi: int) -> tuple[int, int]:
+        """Indices ``[i, j)`` of the pieces with ``lo < length <= hi``."""
+        i = int(np.searchsorted(self.lengths, lo, side="right"))
+        j = int(np.searchsorted(self.lengths, hi, side="right"))
+        return i, j
+
+    def count(self, lo: int, hi: int) -> tuple[int, int]:
+        """(pieces, tokens) with ``lo < length <= hi``."""
+        i, j = self.span(lo, hi)
+        return j - i, int(self.cum_tokens[j] - self.cum_tokens[i])
+
+
+@dataclass(frozen=True)
+class PackStats:
+    """Bucket ``(lo, hi]`` of one step, packed best-fit into rows of ``hi`` tokens.
+
+    ``documents`` / ``tokens``: pieces and tokens of the whole dataset in the range;
+    ``tokens_per_step``: its share of a step; ``efficiency``: packed tokens over ``rows x hi``;
+    ``attention_ratio``: ``sum l^2`` over every segment (pieces and trailing pad) over
+    ``rows x hi^2``; ``rows``: expected packed rows per step.
+    """
+
+    lo: int
+    hi: int
+    documents: int
+    tokens: int
+    tokens_per_step: float
+    efficiency: float
+    attention_ratio: float
+
+    @property
+    def rows(self) -> float:
+        return self.tokens_per_step / (self.hi * self.efficiency)
+
+
+def pack_stats(pieces: Pieces, lo: int, hi: int, tokens_per_step: int, seed: int = 0) -> PackStats:
+    """Measure the packing of bucket ``(lo, hi]`` (module docstring, "Rows per step").
+
+    A step holds ``n = T x pieces / tokens`` of the range's pieces on average; groups of
+    ``round(n)`` pieces (at least 1, at most :data:`PACK_PIECES`) are drawn with replacement
+    from the dataset's pieces of the range (seeded by ``(seed, lo, hi)``) and packed, as many
+    groups as keep the total near :data:`PACK_PIECES` (at most :data:`MAX_PACK_GROUPS`).
+    """
+    i, j = pieces.span(lo, hi)
+    documents, tokens = pieces.count(lo, hi)
+    if documents == 0:
+        raise DataError(f"no document piece of length in ({lo}, {hi}]")
+    per_step = tokens_per_step * documents / pieces.num_tokens
+    group = min(PACK_PIECES, max(1, round(per_step)))
+    groups = min(MAX_PACK_GROUPS, max(1, PACK_PIECES // group))
+    rng = np.random.default_rng([seed, lo, hi])
+    rows = packed = square = 0
+    for _ in range(groups):
+        draw = pieces.lengths[rng.integers(i, j, size=group)]
+        for row in pack_best_fit([Piece(k, 0, int(n), True) for k, n in enumerate(draw)], hi):
+            fill = row.num_tokens
+            square += sum(p.length * p.length for p in row.pieces) + (hi - fill) ** 2
+            rows += 1
+        packed += int(draw.sum())
+    return PackStats(
+        lo=lo,
+        hi=hi,
+        documents=documents,
+        tokens=tokens,
+        tokens_per_step=tokens_per_step * tokens / pieces.num_tokens,
+        efficiency=packed / (rows * hi),
+        attention_ratio=square / (rows * hi * hi),
+    )
+
+
+def candidate_edges(seq_len: int, min_edge: int = DEFAULT_MIN_EDGE) -> tuple[int, ...]:
+    """Powers of two from ``min_edge`` up to (not including) ``seq_len``, then ``seq_len``."""
+    if min_edge < 1:
+        raise ConfigError(f"the smallest bucket edge must be positive, got {min_edge}")
+    edges = []
+    edge = 1 << max(0, math.ceil(math.log2(min_edge)))
+    while edge < seq_len:
+        edges.append(edge)
+        edge *= 2
+    return (*edges, seq_len)
+
+
+# --------------------------------------------------------------------------------------
+# The cost model on packed rows
+# --------------------------------------------------------------------------------------
+
+
+class _PackedSpeed(Speed):
+    """:class:`Speed` whose flash attention does ``ratio`` of a full row's ``s^2`` work."""
+
+    def __init__(self, base: Speed, cluster: ClusterSpec, ratio: float) -> None:
+        super().__init__(cluster.gpu, base.cal, cluster.profile, base.e)
+        self.ratio = ratio
+
+    def flash(self, flops: float) -> float:
+        return super().flash(flops * self.ratio)
+
+
+def packed_evaluator(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    train: TrainSpec,
+    attention_ratio: float = 1.0,
+    calibration: Calibration | None = None,
+) -> Evaluator:
+    """An :class:`Evaluator` for rows of packed documents: flash attention over the rows'
+    segments costs ``attention_ratio`` of full ``seq_len``-token rows (1: the cost model)."""
+    if not 0.0 <= attention_ratio <= 1.0:
+        raise ConfigError(f"attention_ratio must be in [0, 1], got {attention_ratio}")
+    ev = Evaluator(model, cluster, train, calibration)
+    ev.speed = _PackedSpeed(ev.speed, cluster, attention_ratio)
+    return ev
+
+
+def packed_estimate(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    train: TrainSpec,
+    strategy: Strategy,
+    attention_ratio: float = 1.0,
+    calibration: Calibration | None = None,
+) -> Estimate:
+    """:func:`~ds_stpar.planner.cost.estimate` for packed rows (see :func:`packed_evaluator`)."""
+    return packed_evaluator(model, cluster, train, attention_ratio, calibration).estimate(strategy)
+
+
+def update_seconds(est: Estimate) -> float:
+    """The DP gradient reduction and optimizer step of an estimate (once per step)."""
+    return est.time_breakdown["dp_comm_exposed"] + est.time_breakdown["optimizer"]
+
+
+def pass_seconds(est: Estimate) -> float:
+    """Forward and backward of all micro-batches: the estimate without :func:`update_seconds`."""
+    return est.step_time_s - update_seconds(est)
+
+
+def rows_per_round(strategy: Strategy) -> int:
+    """Rows one micro-batch takes over the DP ranks: ``u = dp x micro_batch``."""
+    return strategy.layout.dp * strategy.micro_batch
+
+
+def bucket_micro_batches(rows: float, strategy: Strategy) -> float:
+    """Expected micro-batches per DP rank of a bucket of ``rows`` expected rows per step.
+
+    The runner deals a step's rows to the ``dp`` ranks in micro-batches of ``b`` and pads every
+    rank to the same count (seqbucket.sampler.balance_rows), so a step of ``R`` rows runs
+    ``ceil(R / u)`` micro-batches, ``u = dp b``. The row count varies from step to step; with
+    its remainder modulo ``u`` spread evenly, ``E[ceil(R / u)] = rows / u + (u - 1) / (2u)``;
+    at least one (a bucket is charged every step)."""
+    u = rows_per_round(strategy)
+    return max(1.0, rows / u + (u - 1) / (2 * u))
+
+
+def static_micro_batches(rows: float, strategy: Strategy) -> float:
+    """Micro-batches per DP rank of the static run: a fixed global batch of packed rows
+    holding the step's tokens, ``rows / u`` (at least one), no padding."""
+    return max(1.0, rows / rows_per_round(strategy))
+
+
+def executed_ratio(stats: PackStats, micro_batches: float, strategy: Strategy) -> float:
+    """Attention ratio over the rows run: the packed rows at their measured ratio, padding
+    rows (one pad segment of the full edge) at 1."""
+    run = micro_batches * rows_per_round(strategy)
+    rows = min(stats.rows, run)
+    return (rows * stats.attention_ratio + (run - rows)) / run
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds of one strategy per step at a (possibly fractional) expected number of
+    micro-batches per DP rank: ``pass_s`` (forward + backward) and ``update_s`` (DP
+    reduction + optimizer)."""
+
+    pass_s: float
+    update_s: float
+
+    @property
+    def step_s(self) -> float:
+        return self.pass_s + self.update_s
+
+
+def affine_timing(first: Estimate, second: Estimate, micro_batches: float) -> Timing:
+    """:class:`Timing` at ``micro_batches`` from exact estimates of one strategy at two
+    micro-batch counts. The cost model is affine in ``m``: ``m`` times the slowest stage plus
+    a constant pipeline fill and drain, a DP reduction that is constant (ZeRO 0/1) or ``m``
+    reduce-scatters (ZeRO-2), one optimizer step; so this is exact at any ``m``."""
+    m1, m2 = first.micro_batches, second.micro_batches
+    w = (micro_batches - m1) / (m2 - m1)
+    p1, p2 = pass_seconds(first), pass_seconds(second)
+    u1, u2 = update_seconds(first), update_seconds(second)
+    return Timing(p1 + w * (p2 - p1), u1 + w * (u2 - u1))
+
+
+# --------------------------------------------------------------------------------------
+# Switch costs
+# --------------------------------------------------------------------------------------
+
+
+class SwitchCosts:
+    """Bandwidth bounds of switching between layouts of one model, from the real switch
+    planner on the model's 1- and 2-layer versions, extrapolated linearly in the layers:
+    ``t(L) = t(1) + (L - 1) (t(2) - t(1))``. Cached per placement pair."""
+
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, weight_bytes: int) -> None:
+        self.model, self.cluster, self.weight_bytes = model, cluster, weight_bytes
+        self._planners: dict[tuple[int, int], SwitchPlanner] = {}
+        self._cache: dict[tuple[Placement, Placement], tuple[float, float]] = {}
+
+    def _planner(self, layers: int, tp_lcm: int) -> SwitchPlanner:
+        key = (layers, tp_lcm)
+        if key not in self._planners:
+            small = dataclasses.replace(self.model, num_layers=layers)
+            specs = model_param_specs(small, (tp_lcm,))
+            self._planners[key] = SwitchPlanner(specs, self.cluster.gpus_per_node, layers)
+        return self._planners[key]
+
+    def __call__(self, home: Strategy, away: Strategy) -> tuple[float, float]:
+        """(weights home -> away, fp32 gradients away -> home), seconds."""
+        layers = self.model.num_layers
+        key = (Placement.of(home, layers), Placement.of(away, layers))
+        if key not in self._cache:
+            tp_lcm = math.lcm(home.layout.tp, away.layout.tp)
+            gpu = self.cluster.gpu
+            times = []
+            for n in (1, 2):
+                planner = self._planner(n, tp_lcm)
+                weights = planner.weights(home, away).stats.time_bound_s(self.weight_bytes, gpu)
+                grads = planner.grads(away, home).stats.time_bound_s(GRAD_BYTES, gpu)
+                times.append((weights, grads))
+            (w1, g1), (w2, g2) = times
+            self._cache[key] = (
+                max(0.0, w1 + (layers - 1) * (w2 - w1)),
+                max(0.0, g1 + (layers - 1) * (g2 - g1)),
+            )
+        return self._cache[key]
+
+
+# --------------------------------------------------------------------------------------
+# Result
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlannedBucket:
+    """One bucket of a plan, per optimizer step (expected values).
+
+    ``rows``: packed rows; ``micro_batches``: per DP rank (:func:`bucket_micro_batches`; the
+    static plan's: :func:`static_micro_batches`); ``attention_ratio``: over the rows run,
+    padding included; ``time_s``: forward + backward; ``switch_s``: weights in + gradients
+    out (0 for the home bucket); ``peak_memory_gib``: resident model states + this bucket's
+    activations and buffers.
+    """
+
+    lo: int
+    edge: int
+    strategy: Strategy
+    documents: int
+    tokens: int
+    tokens_per_step: float
+    rows: float
+    micro_batches: float
+    packing_efficiency: float
+    attention_ratio: float
+    time_s: float
+    switch_s: float
+    peak_memory_gib: float
+
+    def to_dict(self) -> dict:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["strategy"] = self.strategy.to_dict()
+        data["layout"] = self.strategy.layout.short()
+        data["short"] = self.strategy.short()
+        return data
+
+
+@dataclass(frozen=True)
+class StaticPlan:
+    """The best static layout for the step: ``rows`` packed rows of ``seq_len`` tokens at
+    ``attention_ratio``, ``step_s`` seconds, ``peak_memory_gib`` per GPU."""
+
+    strategy: Strategy
+    rows: float
+    micro_batches: float
+    attention_ratio: float
+    step_s: float
+    update_s: float
+    peak_memory_gib: float
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """Buckets and strategies for one dataset, model, cluster and step, with predictions.
+
+    ``bucketed_step_s = sum(b.time_s) + switch_s + update_s`` (``update_s``: the home
+    layout's DP reduction and optimizer step); ``speedup = static.step_s / bucketed_step_s``
+    (1 when the plan is the static layout: one bucket, ``note`` says why). ``considered``:
+    bucketed plans whose cost was computed in full.
+    """
+
+    buckets: tuple[PlannedBucket, ...]
+    switch_s: float
+    update_s: float
+    bucketed_step_s: float
+    static: StaticPlan
+    tokens_per_step: int
+    num_documents: int
+    num_tokens: int
+    num_split_documents: int
+    considered: int
+    note: str = ""
+    pieces: Pieces | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def edges(self) -> tuple[int, ...]:
+        return tuple(b.edge for b in self.buckets)
+
+    @property
+    def home(self) -> PlannedBucket:
+        return self.buckets[-1]
+
+    @property
+    def static_step_s(self) -> float:
+        return self.static.step_s
+
+    @property
+    def speedup(self) -> float:
+        return self.static_step_s / self.bucketed_step_s
+
+    @property
+    def home_micro_batches(self) -> int:
+        """The home bucket's micro-batches per DP rank, rounded up (to a multiple of pp when
+        interleaved, rule 5): ds_stpar.json's GAS (planner/emit.py, "Bucketed plans")."""
+        m = math.ceil(self.home.micro_batches - 1e-9)
+        s = self.home.strategy
+        if s.vpp_layers and s.layout.pp > 1:
+            m = math.ceil(m / s.layout.pp) * s.layout.pp
+        return m
+
+    def stpar_buckets(self) -> tuple[Bucket, ...]:
+        """The plan as :class:`~ds_stpar.config.Bucket` s for the "ds_stpar" section."""
+        return tuple(Bucket(b.edge, b.strategy) for b in self.buckets)
+
+    def to_dict(self) -> dict:
+        static = dataclasses.asdict(self.static)
+        static["strategy"] = self.static.strategy.to_dict()
+        static["short"] = self.static.strategy.short()
+        return {
+            "edges": list(self.edges),
+            "buckets": [b.to_dict() for b in self.buckets],
+            "switch_s": self.switch_s,
+            "update_s": self.update_s,
+            "bucketed_step_s": self.bucketed_step_s,
+            "static_step_s": self.static_step_s,
+            "speedup": self.speedup,
+            "static": static,
+            "tokens_per_step": self.tokens_per_step,
+            "num_documents": self.num_documents,
+            "num_tokens": self.num_tokens,
+            "num_split_documents": self.num_split_documents,
+            "considered": self.considered,
+            "note": self.note,
+        }
+
+
+# --------------------------------------------------------------------------------------
+# Search
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Option:
+    """A ``pp = 1`` strategy at an edge: forward + backward seconds per micro-batch without
+    attention (``t0``) and with full-row attention (``t1``; the cost model is linear in the
+    attention time); active and (home) state memory in GiB; parameters per GPU; for the
+    home, the DP reduction + optimizer at full attention as ``update0 + update_slope x m``
+    (a lower bound at any smaller ratio: less backward to hide the reduction behind)."""
+
+    strategy: Strategy
+    t0: float
+    t1: float
+    active_gib: float
+    states_gib: float
+    params: float
+    update0: float = 0.0
+    update_slope: float = 0.0
+
+    def seconds(self, stats: PackStats) -> tuple[float, float, float]:
+        """(forward + backward seconds, micro-batches per rank, attention ratio) of a bucket."""
+        m = bucket_micro_batches(stats.rows, self.strategy)
+        ratio = executed_ratio(stats, m, self.strategy)
+        return m * (self.t0 + ratio * (self.t1 - self.t0)), m, ratio
+
+
+def model_key(strategy: Strategy) -> Strategy:
+    """What a layout's model depends on (seqbucket/runner.py builds one model per key)."""
+    return dataclasses.replace(strategy, micro_batch=1, zero=0)
+
+
+def _knobs(layout: Layout, flash: bool) -> list[tuple[bool, str]]:
+    """(sequence parallel, recompute) pairs as the search enumerates them (rules 9, 14, 15)."""
+    tp, mode = layout.tp, layout.tp_mode
+    sps = (True,) if tp > 1 and mode != "megatron" else ((False, True) if tp > 1 else (False,))
+    recomputes = ("none", "full") if flash else ("none", "selective", "full")
+    return [(sp, rc) for sp in sps for rc in recomputes]
+
+
+def _micro_batch_sizes(layout: Layout) -> list[int]:
+    """Powers of two up to MAX_MICRO_BATCH, multiples of q under Cannon (rule 15)."""
+    q = math.isqrt(layout.tp) if layout.tp_mode == "cannon" else 1
+    sizes = [1 << k for k in range(int(math.log2(MAX_MICRO_BATCH)) + 1)]
+    return [b for b in sizes if b % q == 0]
+
+
+class _Planner:
+    def __init__(
+        self,
+        pieces: Pieces,
+        model: ModelSpec,
+        cluster: ClusterSpec,
+        train: TrainSpec,
+        edges: Sequence[int],
+        max_buckets: int,
+        tp_modes: Sequence[str],
+        allow: bool,
+        calibration: Calibration | None,
+        seed: int,
+        min_gain: float,
+    ) -> None:
+        self.pieces, self.model, self.cluster, self.train = pieces, model, cluster, train
+        self.edges, self.max_buckets, self.seed = tuple(edges), max_buckets, seed
+        self.min_gain = min_gain
+        self.tp_modes, self.allow = tuple(tp_modes), allow
+        self.cal = calibration or Calibration.load_default(cluster.gpu.name)
+        self.cal_away = self.cal.replace(dp_bucket_elements=0)
+        self.e = mem.element_bytes(train)
+        self.capacity = cluster.gpu.hbm_gib
+        self.tokens = train.tokens_per_step
+        self.base_rows = cluster.num_gpus * MAX_MICRO_BATCH  # every b x dp divides it
+        self.layouts: list[Layout] = []
+        for fam in families(model, cluster, self.tp_modes, allow):
+            if not isinstance(fam, tuple) and fam.layout.pp == 1:
+                if fam.layout not in self.layouts:
+                    self.layouts.append(fam.layout)
+        self.switch = SwitchCosts(model, cluster, self.e)
+        self._stats: dict[tuple[int, int], PackStats] = {}
+        self._ranked: dict[tuple[int, int], list[tuple[float, _Option]]] = {}
+        self._evaluators: dict[tuple, Evaluator] = {}
+        self._home: dict[tuple[_Option, int], Timing] = {}
+        self.considered = 0
+
+    # ---- pieces and evaluators -------------------------------------------------------
+    def stats(self, lo: int, hi: int) -> PackStats:
+        if (lo, hi) not in self._stats:
+            self._stats[lo, hi] = pack_stats(self.pieces, lo, hi, self.tokens, self.seed)
+        return self._stats[lo, hi]
+
+    def train_at(self, edge: int, rows: int) -> TrainSpec:
+        return dataclasses.replace(self.train, seq_len=edge, global_batch=rows)
+
+    def evaluator(self, edge: int, rows: int, ratio: float, away: bool = False) -> Evaluator:
+        key = (edge, rows, ratio, away)
+        if key not in self._evaluators:
+            cal = self.cal_away if away else self.cal
+            train = self.train_at(edge, rows)
+            self._evaluators[key] = packed_evaluator(self.model, self.cluster, train, ratio, cal)
+        return self._evaluators[key]
+
+    def timing(self, edge: int, strategy: Strategy, micro_batches: float, ratio: float) -> Timing:
+        """Exact :class:`Timing` of a ``pp = 1`` strategy (its estimates at base_rows and twice
+        that, :func:`affine_timing`)."""
+        first = self.evaluator(edge, self.base_rows, ratio).estimate(strategy)
+        second = self.evaluator(edge, 2 * self.base_rows, ratio).estimate(strategy)
+        return affine_timing(first, second, micro_batches)
+
+    # ---- options ---------------------------------------------------------------------
+    def options(self, edge: int, home: bool) -> list[_Option]:
+        """Every valid ``pp = 1`` strategy at ``edge`` that could fit, as :class:`_Option` s."""
+        out = []
+        flash = self.cal.flash_attention
+        for layout in self.layouts:
+            zeros = (0,) if not home or layout.dp == 1 else HOME_ZERO
+            for zero, (sp, rc) in itertools.product(zeros, _knobs(layout, flash)):
+                for b in _micro_batch_sizes(layout):
+                    strategy = Strategy(layout, b, zero, rc, sp)
+                    probe = self.train_at(edge, b * layout.dp)
+                    if rules.violations(
+                        self.model, self.cluster, probe, strategy, None, self.allow
+                    ):
+                        continue
+                    option = self._option(edge, strategy, home)
+                    if option is None:
+                        break  # a larger micro-batch needs more memory still
+                    out.append(option)
+        return out
+
+    def _option(self, edge: int, strategy: Strategy, home: bool) -> _Option | None:
+        away = not home
+        _, memory = self.evaluator(edge, self.base_rows, 0.0, away).memory(strategy)
+        states = memory["weights"] + memory["grads"] + memory["optimizer"]
+        # a non-home layout runs no optimizer step: its transient memory is not counted
+        active = sum(memory.values()) - states - (0.0 if home else memory["optimizer_step"])
+        params = mem.stage_params(self.model, strategy)[0]
+        own = (self.e + GRAD_BYTES) * params / GiB
+        if (states if home else own) + active > self.capacity:
+            return None
+        m = self.base_rows // rows_per_round(strategy)
+        none = self.evaluator(edge, self.base_rows, 0.0, away).estimate(strategy)
+        full = self.evaluator(edge, self.base_rows, 1.0, away).estimate(strategy)
+        t0, t1 = pass_seconds(none) / m, pass_seconds(full) / m
+        if away:
+            return _Option(strategy, t0, t1, active, 0.0, params)
+        slope = 0.0
+        if strategy.zero == 2:  # ZeRO-2 reduce-scatters every micro-batch
+            twice = self.evaluator(edge, 2 * self.base_rows, 1.0).estimate(strategy)
+            slope = (update_seconds(twice) - update_seconds(full)) / m
+        update0 = update_seconds(full) - slope * m
+        return _Option(strategy, t0, t1, active, states, params, update0, slope)
+
+    def ranked(self, lo: int, hi: int, options: list[_Option]) -> list[tuple[float, _Option]]:
+        """Non-home options for bucket ``(lo, hi]``, fastest first."""
+        if (lo, hi) not in self._ranked:
+            stats = self.stats(lo, hi)
+            timed = [(opt.seconds(stats)[0], opt) for opt in options]
+            timed.sort(key=lambda item: (item[0], item[1].strategy.short()))
+            self._ranked[lo, hi] = timed
+        return self._ranked[lo, hi]
+
+    # ---- home ------------------------------------------------------------------------
+    def home_bound(self, h: _Option, lo: int) -> float:
+        seconds, m, _ = h.seconds(self.stats(lo, self.train.seq_len))
+        return seconds + h.update0 + h.update_slope * m
+
+    def home_timing(self, h: _Option, lo: int) -> Timing:
+        key = (h, lo)
+        if key not in self._home:
+            _, m, ratio = h.seconds(self.stats(lo, self.train.seq_len))
+            self._home[key] = self.timing(self.train.seq_len, h.strategy, m, ratio)
+        return self._home[key]
+
+    # ---- one (home, edge set) --------------------------------------------------------
+    def resident_gib(self, h: _Option, away: Sequence[_Option]) -> float:
+        """Model states held for the whole step (module docstring, "Memory")."""
+        if not away:
+            return h.states_gib
+        carry = GRAD_BYTES * h.params / GiB
+        models = sum((self.e + GRAD_BYTES) * o.params for o in away) / GiB
+        return h.states_gib + carry + models
+
+    def solve(self, h: _Option, edge_set: tuple[int, ...], bound: float, away_options):
+        """The best (cost, non-home options) for home ``h`` and ``edge_set`` under ``bound``:
+        non-home combinations in order of total bucket time (a k-way merge over the sorted
+        lists), the first few thousand at most, skipping shared models and those that do not
+        fit; the switch costs are added exactly."""
+        home_s = self.home_timing(h, edge_set[-1] if edge_set else 0).step_s
+        if not edge_set:
+            self.considered += 1
+            return (home_s, ()) if home_s < bound else None
+        lists = [
+            self.ranked(lo, hi, away_options[hi]) for lo, hi in zip((0, *edge_set[:-1]), edge_set)
+        ]
+        home_key = model_key(h.strategy)
+        best = None
+        start = (0,) * len(lists)
+        heap = [(sum(lst[0][0] for lst in lists), start)]
+        seen = {start}
+        for _ in range(MAX_COMBINATIONS):
+            if not heap:
+                break
+            total, index = heapq.heappop(heap)
+            if home_s + total >= bound:
+                break
+            for k in range(len(lists)):
+                nxt = index[:k] + (index[k] + 1,) + index[k + 1 :]
+                if nxt[k] < len(lists[k]) and nxt not in seen:
+                    seen.add(nxt)
+                    step = lists[k][nxt[k]][0] - lists[k][index[k]][0]
+                    heapq.heappush(heap, (total + step, nxt))
+            chosen = [lists[k][i][1] for k, i in enumerate(index)]
+            keys = {model_key(o.strategy) for o in chosen}
+            if len(keys) < len(chosen) or home_key in keys:
+                continue
+            active = max([h.active_gib] + [o.active_gib for o in chosen])
+            if self.resident_gib(h, chosen) + active > self.capacity:
+                continue
+            self.considered += 1
+            cost = home_s + total + sum(sum(self.switch(h.strategy, o.strategy)) for o in chosen)
+            if cost < bound:
+                bound, best = cost, (cost, tuple(chosen))
+        return best
+
+    # ---- everything ------------------------------------------------------------------
+    def edge_sets(self) -> list[tuple[int, ...]]:
+        """Increasing tuples of non-home edges (at most max_buckets - 1) whose buckets, the
+        home one included, all hold pieces."""
+        seq_len = self.train.seq_len
+        below = [e for e in self.edges if e < seq_len]
+        out = []
+        for k in range(self.max_buckets):
+            for combo in itertools.combinations(below, k):
+                bounds = (0, *combo, seq_len)
+                if all(self.pieces.count(a, b)[0] for a, b in zip(bounds, bounds[1:])):
+                    out.append(combo)
+        return out
+
+    def weight(self, edge_set: tuple[int, ...]) -> float:
+        """What a plan with these non-home edges must beat the bound by: each bucket beyond
+        the first must buy ``min_gain`` of the step (predictions closer than that are noise,
+        and every bucket costs a model, memory and a switch)."""
+        return (1.0 + self.min_gain) ** len(edge_set)
+
+    def best(self, bound: float):
+        """The best bucketed plan (home option, edge set, non-home options) whose cost,
+        weighted by :meth:`weight`, is strictly under ``bound``, or ``None``."""
+        seq_len = self.train.seq_len
+        homes = self.options(seq_len, home=True)
+        sets = self.edge_sets()
+        away = {e: self.options(e, home=False) for e in sorted({e for s in sets for e in s})}
+        items = []
+        for edge_set in sets:
+            pairs = list(zip((0, *edge_set[:-1]), edge_set))
+            if any(not away[hi] for _, hi in pairs):
+                continue
+            rest = sum(self.ranked(lo, hi, away[hi])[0][0] for lo, hi in pairs)
+            lo = edge_set[-1] if edge_set else 0
+            weight = self.weight(edge_set)
+            for n, h in enumerate(homes):
+                lower = (self.home_bound(h, lo) + rest) * weight
+                items.append((lower, len(items), n, edge_set))
+        items.sort()
+        found = None
+        for lower, _, n, edge_set in items:
+            if lower >= bound:
+                break
+            weight = self.weight(edge_set)
+            solved = self.solve(homes[n], edge_set, bound / weight, away)
+            if solved is not None:
+                bound = solved[0] * weight
+                found = (homes[n], edge_set, solved[1])
+        return found
+
+    # ---- the static baseline ---------------------------------------------------------
+    def static(self) -> StaticPlan:
+        """The best static layout for the whole step packed into rows of ``seq_len``.
+
+        The search runs at the packed row count rounded up to a multiple of ``world x
+        MAX_MICRO_BATCH`` rows (so every layout and power-of-two micro-batch is enumerated,
+        as for the buckets); each fitting candidate is then timed at its own micro-batch
+        count, :func:`static_micro_batches`, from its estimates at that row count and twice
+        it (:func:`affine_timing`), flash attention scaled by the packed rows' ratio.
+        """
+        model, cluster, seq_len = self.model, self.cluster, self.train.seq_len
+        stats = self.stats(0, seq_len)
+        unit = cluster.num_gpus * MAX_MICRO_BATCH
+        rows = math.ceil(stats.rows / unit) * unit
+        found = search(
+            model,
+            cluster,
+            self.train_at(seq_len, rows),
+            top_k=ALL,
+            tp_modes=self.tp_modes,
+            calibration=self.cal,
+            allow_tp_across_nodes=self.allow,
+        )
+        if not found.top:
+            raise DoesNotFitError(
+                f"no layout of {model.name} fits {cluster.num_gpus} x {cluster.gpu.name} at seq "
+                f"{seq_len}; `ds-stpar plan` names the closest layout and what would fit"
+            )
+        ratio = stats.attention_ratio
+        best: StaticPlan | None = None
+        for est in found.top:
+            s = est.strategy
+            m = static_micro_batches(stats.rows, s)
+            first = self.evaluator(seq_len, rows, ratio).estimate(s)
+            second = self.evaluator(seq_len, 2 * rows, ratio).estimate(s)
+            timing = affine_timing(first, second, m)
+            if best is None or (timing.step_s, s.short()) < (best.step_s, best.strategy.short()):
+                best = StaticPlan(
+                    s, stats.rows, m, ratio, timing.step_s, timing.update_s, est.peak_memory_gib
+                )
+        return best
+
+    # ---- the result ------------------------------------------------------------------
+    def plan(self, found, static: StaticPlan) -> BucketPlan:
+        pieces, seq_len = self.pieces, self.train.seq_len
+        common = dict(
+            static=static,
+            tokens_per_step=self.tokens,
+            num_documents=pieces.num_documents,
+            num_tokens=pieces.num_tokens,
+            num_split_documents=pieces.num_split_documents,
+            considered=self.considered,
+            pieces=pieces,
+        )
+        if found is None:  # the static layout: one bucket, no switch
+            stats = self.stats(0, seq_len)
+            bucket = PlannedBucket(
+                lo=0,
+                edge=seq_len,
+                strategy=static.strategy,
+                documents=stats.documents,
+                tokens=stats.tokens,
+                tokens_per_step=stats.tokens_per_step,
+                rows=stats.rows,
+                micro_batches=static.micro_batches,
+                packing_efficiency=stats.efficiency,
+                attention_ratio=static.attention_ratio,
+                time_s=static.step_s - static.update_s,
+                switch_s=0.0,
+                peak_memory_gib=static.peak_memory_gib,
+            )
+            return BucketPlan(
+                buckets=(bucket,),
+                switch_s=0.0,
+                update_s=static.update_s,
+                bucketed_step_s=static.step_s,
+                note="no bucketed plan is faster than the best static layout",
+                **common,
+            )
+        home, edge_set, away = found
+        bounds = (0, *edge_set, seq_len)
+        resident = self.resident_gib(home, away)
+        buckets = []
+        switch_total = update = 0.0
+        for (lo, hi), option in zip(zip(bounds, bounds[1:]), (*away, home)):
+            stats = self.stats(lo, hi)
+            _, m, ratio = option.seconds(stats)
+            s = option.strategy
+            timing = self.timing(hi, s, m, ratio)
+            switch = 0.0 if option is home else sum(self.switch(home.strategy, s))
+            switch_total += switch
+            if option is home:
+                update = timing.update_s
+            buckets.append(
+                PlannedBucket(
+                    lo=lo,
+                    edge=hi,
+                    strategy=s,
+                    documents=stats.documents,
+                    tokens=stats.tokens,
+                    tokens_per_step=stats.tokens_per_step,
+                    rows=stats.rows,
+                    micro_batches=m,
+                    packing_efficiency=stats.efficiency,
+                    attention_ratio=ratio,
+                    time_s=timing.pass_s,
+                    switch_s=switch,
+                    peak_memory_gib=resident + option.active_gib,
+                )
+            )
+        step = sum(b.time_s for b in buckets) + switch_total + update
+        return BucketPlan(
+            buckets=tuple(buckets),
+            switch_s=switch_total,
+            update_s=update,
+            bucketed_step_s=step,
+            **common,
+        )
+
+
+def plan_buckets(
+    document_lengths: np.ndarray | Pieces,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    train: TrainSpec,
+    max_buckets: int = DEFAULT_MAX_BUCKETS,
+    min_edge: int = DEFAULT_MIN_EDGE,
+    edges: Sequence[int] | None = None,
+    tp_modes: Sequence[str] = TP_MODES,
+    allow_tp_across_nodes: bool | None = None,
+    calibration: Calibration | None = None,
+    seed: int = 0,
+    min_gain: float = DEFAULT_MIN_GAIN,
+) -> BucketPlan:
+    """Bucket edges and strategies for documents of ``document_lengths`` tokens (module
+    docstring). ``edges``: candidate edges (default :func:`candidate_edges` from
+    ``min_edge``; ``train.seq_len`` is always the last); ``max_buckets``: at most this many
+    buckets. Raises :class:`DoesNotFitError` when no layout fits at ``train.seq_len``."""
+    if max_buckets < 1:
+        raise ConfigError(f"--max-buckets must be at least 1, got {max_buckets}")
+    if not 0.0 <= min_gain < 1.0:
+        raise ConfigError(f"min_gain must be in [0, 1), got {min_gain}")
+    unknown = sorted(set(tp_modes) - set(TP_MODES))
+    if unknown or not tp_modes:
+        raise ConfigError(f"tp_modes must be among {TP_MODES}, got {list(tp_modes)}")
+    seq_len = train.seq_len
+    if edges is None:
+        edges = candidate_edges(seq_len, min_edge)
+    edges = tuple(sorted({int(e) for e in edges if 0 < int(e) < seq_len} | {seq_len}))
+    pieces = (
+        document_lengths
+        if isinstance(document_lengths, Pieces)
+        else Pieces.of(document_lengths, seq_len)
+    )
+    if pieces.seq_len != seq_len:
+        raise ConfigError(f"pieces were cut at {pieces.seq_len}, the plan's seq_len is {seq_len}")
+    allow = cluster.tp_across_nodes if allow_tp_across_nodes is None else allow_tp_across_nodes
+    planner = _Planner(
+        pieces,
+        model,
+        cluster,
+        train,
+        edges,
+        max_buckets,
+        tp_modes,
+        allow,
+        calibration,
+        seed,
+        min_gain,
+    )
+    static = planner.static()
+    found = planner.best(static.step_s)
+    plan = planner.plan(found, static)
+    if found is not None and plan.bucketed_step_s * planner.weight(found[1]) >= static.step_s:
+        return planner.plan(None, static)  # the search's interpolation was optimistic
+    return plan
+
+
+# --------------------------------------------------------------------------------------
+# Plot
+# --------------------------------------------------------------------------------------
+
+
+def plot_plan(plan: BucketPlan, path: str, title: str = "") -> None:
+    """The piece-length histogram (log-x; documents per bin and their share of tokens) with
+    the bucket edges and each bucket's layout, as a PNG. Needs matplotlib (``[plot]`` extra)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ConfigError(
+            "--plot needs matplotlib, which is not installed: pip install ds_stpar[plot]"
+        ) from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = plan.pieces.lengths
+    low = max(1.0, float(lengths[0]) / 1.5)
+    bins = np.logspace(math.log10(low), math.log10(plan.pieces.seq_len * 1.05), 61)
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    ax.hist(lengths, bins=bins, color="#8fa8c8", label="documents (pieces)")
+    ax.set_xscale("log")
+    ax.set_xlabel("tokens per document (documents longer than seq_len cut into pieces)")
+    ax.set_ylabel("documents")
+    share = ax.twinx()
+    tokens, _ = np.histogram(lengths, bins=bins, weights=lengths)
+    share.stairs(100 * tokens / max(1, tokens.sum()), bins, color="#c0504d")
+    share.set_ylabel("share of tokens (%)", color="#c0504d")
+    top = ax.get_ylim()[1]
+    for bucket in plan.buckets:
+        ax.axvline(bucket.edge, color="black", linestyle="--", linewidth=1)
+        label = f"<= {bucket.edge}: {bucket.strategy.short()}"
+        ax.text(
+            bucket.edge,
+            top * 0.98,
+            label,
+            rotation=90,
+            ha="right",
+            va="top",
+            fontsize=8,
+            bbox={"facecolor": "white", "alpha": 0.7, "edgecolor": "none"},
+        )
+    ax.set_title(
+        title
+        or f"{len(plan.buckets)} bucket(s): predicted {plan.bucketed_step_s:.3f} s vs static "
+        f"{plan.static_step_s:.3f} s ({plan.speedup:.2f}x)"
+    )
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as err:
+        raise ConfigError(f"cannot write {path}: {err.strerror}") from None
+    finally:
+        plt.close(fig)

@@ -1,0 +1,334 @@
+"""Bucket planning (planner/buckets.py) and the ``ds-stpar buckets`` / ``plan --data`` commands.
+
+References are computed here, independently of the planner: token counts from the documents
+themselves, rows per step from the token shares, times from ``cost.estimate`` at the two
+integer micro-batch counts around the expected one, switch costs from the switch planner on
+the full model, the static layout from ``search``. Data whose rows each hold one document of
+exactly the bucket edge make the packing efficiency and attention ratio exactly 1, so the
+plain cost model applies. Floats computed in another order agree to a relative 1e-9.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from ds_stpar import cli
+from ds_stpar.cli import main
+from ds_stpar.config import (
+    ClusterSpec,
+    Layout,
+    ModelSpec,
+    StparConfig,
+    Strategy,
+    TrainSpec,
+    load_gpu,
+)
+from ds_stpar.planner import buckets as bk
+from ds_stpar.planner.compute import Speed, attention_core
+from ds_stpar.planner.cost import estimate
+from ds_stpar.planner.profile import Calibration
+from ds_stpar.planner.search import search
+from ds_stpar.planner.tensor_parallel import head_seqs
+from ds_stpar.seqbucket.corpus import stdlib_documents, stdlib_root, write_jsonl
+from ds_stpar.seqbucket.switch import switch_cost_s
+
+REL = 1e-9  # same formulas, another summation order
+SEQ = 32768
+SHORT = 1024
+MODEL = ModelSpec.load("gpt3-1.3b")
+H100x2 = ClusterSpec(load_gpu("h100-80g"), 2)
+TRAIN = TrainSpec(SEQ, 64)  # 2,097,152 tokens per step
+
+
+def skewed_lengths() -> np.ndarray:
+    """80% of the tokens in documents of 1024 tokens, 20% in documents of exactly SEQ."""
+    return np.array([SHORT] * 6400 + [SEQ] * 50)
+
+
+@pytest.fixture(scope="module")
+def skewed_plan() -> bk.BucketPlan:
+    return bk.plan_buckets(skewed_lengths(), MODEL, H100x2, TRAIN, edges=(SHORT,))
+
+
+def _fits(strategy: Strategy, seq: int) -> bool:
+    return estimate(MODEL, H100x2, TrainSpec(seq, 2 * strategy.micro_batch), strategy).fits
+
+
+def _timing(strategy: Strategy, edge: int, micro_batches: float) -> tuple[float, float]:
+    """(forward + backward, DP reduction + optimizer) seconds at a fractional m, from the cost
+    model at m = 1 and m = 2 (it is affine in m)."""
+    u = strategy.layout.dp * strategy.micro_batch
+    one, two = (estimate(MODEL, H100x2, TrainSpec(edge, k * u), strategy) for k in (1, 2))
+
+    def parts(est):
+        update = est.time_breakdown["dp_comm_exposed"] + est.time_breakdown["optimizer"]
+        return est.step_time_s - update, update
+
+    (p1, u1), (p2, u2) = parts(one), parts(two)
+    return p1 + (micro_batches - 1) * (p2 - p1), u1 + (micro_batches - 1) * (u2 - u1)
+
+
+def test_long_sequences_force_tensor_parallelism_short_ones_run_data_parallel(skewed_plan):
+    # the premise, from the cost model: data parallelism without recompute fits 1024-token
+    # rows but not 32768-token rows of this model on two 80 GB GPUs
+    dp = Strategy(Layout(dp=2), micro_batch=1, zero=1)
+    assert _fits(dp, SHORT) and not _fits(dp, SEQ)
+    plan = skewed_plan
+    assert plan.edges == (SHORT, SEQ)
+    short, home = plan.buckets
+    assert short.strategy.layout.dp == 2 and short.strategy.layout.tp == 1
+    assert home.strategy.layout.tp == 2 and home.strategy.layout.dp == 1
+    assert plan.speedup > 1.0
+    assert plan.bucketed_step_s < plan.static_step_s
+    assert all(b.peak_memory_gib <= H100x2.gpu.hbm_gib for b in plan.buckets)
+
+
+def test_bucketed_step_is_the_sum_of_its_parts(skewed_plan):
+    plan = skewed_plan
+    lengths = skewed_lengths()
+    tokens = TRAIN.tokens_per_step
+    short_share = (lengths[lengths <= SHORT]).sum() / lengths.sum()  # 0.8
+    expected_rows = {SHORT: tokens * short_share / SHORT, SEQ: tokens * (1 - short_share) / SEQ}
+    total = 0.0
+    for bucket in plan.buckets:
+        s = bucket.strategy
+        assert bucket.documents == (lengths == bucket.edge).sum()
+        assert bucket.tokens == lengths[lengths == bucket.edge].sum()
+        assert bucket.packing_efficiency == 1.0 and bucket.attention_ratio == 1.0
+        assert bucket.rows == pytest.approx(expected_rows[bucket.edge], rel=REL)
+        # the runner pads every DP rank to ceil(rows / u) micro-batches of u = dp b rows; with
+        # the remainder spread evenly that is rows / u + (u - 1) / (2u) on average
+        u = s.layout.dp * s.micro_batch
+        m = max(1.0, bucket.rows / u + (u - 1) / (2 * u))
+        assert bucket.micro_batches == pytest.approx(m, rel=REL)
+        seconds, update = _timing(s, bucket.edge, m)
+        assert bucket.time_s == pytest.approx(seconds, rel=REL)
+        total += seconds
+        if bucket is plan.home:
+            assert plan.update_s == pytest.approx(update, rel=REL)
+            assert bucket.switch_s == 0.0
+            continue
+        # bf16 weights home -> here, fp32 gradients back, on the full 24-layer model
+        switch = switch_cost_s(plan.home.strategy, s, MODEL, H100x2, weight_bytes=2)
+        switch += switch_cost_s(s, plan.home.strategy, MODEL, H100x2, weight_bytes=0, grad_bytes=4)
+        assert switch > 0
+        assert bucket.switch_s == pytest.approx(switch, rel=1e-6)  # layer extrapolation
+        total += switch
+    total += plan.update_s
+    assert plan.bucketed_step_s == pytest.approx(total, rel=REL)
+    assert plan.switch_s == pytest.approx(sum(b.switch_s for b in plan.buckets), rel=REL)
+    # switching is charged: the plan costs more than its buckets and update alone
+    assert plan.bucketed_step_s > sum(b.time_s for b in plan.buckets) + plan.update_s
+
+
+def test_memory_counts_every_resident_model(skewed_plan):
+    short, home = skewed_plan.buckets
+    # the short bucket holds the home layout's states, its fp32 gradient carry, its own bf16
+    # weights and fp32 gradient accumulators (a full replica: pure DP) and its activations
+    home_est = estimate(MODEL, H100x2, TrainSpec(SEQ, 2), home.strategy)
+    states = sum(home_est.memory_breakdown[k] for k in ("weights", "grads", "optimizer"))
+    home_params = home_est.memory_breakdown["weights"] * 2**30 / 2  # bf16, not sharded (ZeRO < 3)
+    replica = (2 + 4) * MODEL.num_params() / 2**30
+    resident = states + 4 * home_params / 2**30 + replica
+    assert short.peak_memory_gib > resident
+    assert home.peak_memory_gib - resident == pytest.approx(
+        home_est.peak_memory_gib - states, rel=1e-6
+    )
+
+
+def test_only_full_length_documents_give_the_static_layout():
+    lengths = np.full(200, SEQ)
+    plan = bk.plan_buckets(lengths, MODEL, H100x2, TRAIN)
+    assert len(plan.buckets) == 1 and plan.switch_s == 0.0
+    assert plan.buckets[0].strategy == plan.static.strategy
+    assert plan.bucketed_step_s == plan.static_step_s and plan.speedup == 1.0
+    assert plan.note
+    # searched, not assumed: the best of the planner's own search for 64 rows of SEQ
+    best = search(MODEL, H100x2, TRAIN, top_k=1).top[0]
+    assert plan.static.strategy == best.strategy
+    assert plan.static_step_s == pytest.approx(best.step_time_s, rel=REL)
+
+
+def test_packing_is_measured_with_best_fit():
+    # 600-token documents: best fit puts one per 1024-token row (two would need 1200)
+    pieces = bk.Pieces.of(np.full(100, 600), SEQ)
+    stats = bk.pack_stats(pieces, 0, 1024, tokens_per_step=60_000)
+    assert stats.efficiency == pytest.approx(600 / 1024, rel=REL)
+    assert stats.attention_ratio == pytest.approx((600**2 + 424**2) / 1024**2, rel=REL)
+    # 300-token documents, 200 per step (60,000 / 300): 66 rows of three, one of two
+    pieces = bk.Pieces.of(np.full(100, 300), SEQ)
+    stats = bk.pack_stats(pieces, 0, 1024, tokens_per_step=60_000)
+    assert stats.efficiency == pytest.approx(60_000 / (67 * 1024), rel=REL)
+    square = 66 * (3 * 300**2 + 124**2) + (2 * 300**2 + 424**2)
+    assert stats.attention_ratio == pytest.approx(square / (67 * 1024**2), rel=REL)
+    assert stats.rows == pytest.approx(67, rel=REL)
+
+
+def test_attention_ratio_scales_flash_attention_only():
+    train = TrainSpec(8192, 2)
+    s = Strategy(Layout(dp=2), micro_batch=1, zero=1)
+    full = bk.packed_estimate(MODEL, H100x2, train, s, 1.0)
+    assert full.step_time_s == estimate(MODEL, H100x2, train, s).step_time_s
+    none, half = (bk.packed_estimate(MODEL, H100x2, train, s, r) for r in (0.0, 0.5))
+    assert (
+        full.time_breakdown.get("host_bound", 0.0)
+        == none.time_breakdown.get("host_bound", 0.0)
+        == 0.0
+    )
+    # the difference is the cost model's flash-attention term: 24 layers, one micro-batch of
+    # one 8192-token row, forward + backward (no recompute)
+    cal = Calibration.load_default(H100x2.gpu.name)
+    speed = Speed(H100x2.gpu, cal, None, 2)
+    core = attention_core(MODEL, 8192, head_seqs(1, MODEL, 1), speed)
+    attention = MODEL.num_layers * (core.fwd + core.bwd)
+    assert bk.pass_seconds(full) - bk.pass_seconds(none) == pytest.approx(attention, rel=REL)
+    assert bk.pass_seconds(half) == pytest.approx(bk.pass_seconds(none) + attention / 2, rel=REL)
+
+
+def test_long_documents_are_cut_into_pieces():
+    pieces = bk.Pieces.of(np.array([70_000, 10]), SEQ)
+    assert sorted(pieces.lengths.tolist()) == [10, 70_000 - 2 * SEQ, SEQ, SEQ]
+    assert pieces.num_split_documents == 1 and pieces.num_tokens == 70_010
+    assert pieces.count(SEQ // 2, SEQ) == (2, 2 * SEQ)
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(bk.ConfigError, match="max-buckets"):
+        bk.plan_buckets(skewed_lengths(), MODEL, H100x2, TRAIN, max_buckets=0)
+    with pytest.raises(bk.DataError, match="no tokens"):
+        bk.plan_buckets(np.zeros(3, dtype=int), MODEL, H100x2, TRAIN)
+
+
+# --------------------------------------------------------------------------------------
+# CLI, on the standard library's own sources
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stdlib_jsonl(tmp_path_factory):
+    """The first 120 standard-library files, and their byte-tokenizer lengths (+ EOS)."""
+    path = tmp_path_factory.mktemp("data") / "stdlib.jsonl"
+    docs = stdlib_documents(max_files=120)
+    write_jsonl(docs, path)
+    return str(path), np.array([len(d["text"].encode("utf-8")) + 1 for d in docs])
+
+
+@pytest.fixture(scope="module")
+def encodings_jsonl(tmp_path_factory):
+    """The stdlib's ``encodings`` package: codec tables of ~13K bytes and a few longer files,
+    so more than half the tokens sit in documents of at most 16K."""
+    path = tmp_path_factory.mktemp("data") / "encodings.jsonl"
+    write_jsonl(stdlib_documents(root=os.path.join(stdlib_root(), "encodings")), path)
+    return str(path)
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+ARGS_8K = ("--model", "gpt3-1.3b", "--gpus", "2", "--seq-len", "8192", "--global-batch", "64")
+
+
+def test_buckets_json_fields(capsys, stdlib_jsonl):
+    path, lengths = stdlib_jsonl
+    code, out, err = run(capsys, "buckets", "--data", path, *ARGS_8K, "--json")
+    assert code == 0, err
+    data = json.loads(out)  # nothing but the JSON object
+    for key in ("edges", "buckets", "switch_s", "static_step_s", "bucketed_step_s", "speedup"):
+        assert key in data
+    assert data["edges"][-1] == 8192 and data["edges"] == [b["edge"] for b in data["buckets"]]
+    # byte tokens: UTF-8 bytes + EOS per file; pieces: files cut into 8192-token chunks
+    assert sum(b["tokens"] for b in data["buckets"]) == lengths.sum() == data["num_tokens"]
+    pieces = sum(math.ceil(n / 8192) for n in lengths)
+    assert sum(b["documents"] for b in data["buckets"]) == pieces
+    assert all({"layout", "strategy", "documents", "tokens"} <= set(b) for b in data["buckets"])
+    parts = sum(b["time_s"] for b in data["buckets"]) + data["switch_s"] + data["update_s"]
+    assert data["bucketed_step_s"] == pytest.approx(parts, rel=REL)
+    assert data["speedup"] == pytest.approx(data["static_step_s"] / data["bucketed_step_s"])
+
+
+def test_buckets_table_and_plot(capsys, stdlib_jsonl, tmp_path):
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (pip install ds_stpar[plot])")
+    png = tmp_path / "lengths.png"
+    code, out, err = run(capsys, "buckets", "--data", stdlib_jsonl[0], *ARGS_8K, "--plot", str(png))
+    assert (code, err) == (0, "")
+    assert "bucket (tokens)" in out and "speedup:" in out and "static:" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_names_the_extra(capsys, stdlib_jsonl, tmp_path, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # import fails
+    code, out, err = run(
+        capsys, "buckets", "--data", stdlib_jsonl[0], *ARGS_8K, "--plot", str(tmp_path / "x.png")
+    )
+    assert code == 2 and "pip install ds_stpar[plot]" in err and len(err.splitlines()) == 1
+
+
+def test_plan_data_writes_buckets_that_read_back(capsys, encodings_jsonl, tmp_path):
+    model = tmp_path / "llama-1b.json"  # RoPE: no learned-position limit at 32K
+    model.write_text(
+        json.dumps(
+            {
+                "name": "llama-1b",
+                "num_layers": 16,
+                "hidden_size": 2048,
+                "num_attention_heads": 16,
+                "vocab_size": 32000,
+                "ffn_hidden_size": 5632,
+                "activation": "swiglu",
+                "normalization": "rmsnorm",
+                "add_bias_linear": False,
+                "tied_embeddings": False,
+                "position_embedding": "rope",
+            }
+        )
+    )
+    out_dir = tmp_path / "plan"
+    argv = ["plan", "--data", encodings_jsonl, "--model", str(model), "--gpus", "2"]
+    argv += ["--seq-len", "32768", "--global-batch", "64", "--hbm-gib", "40", "--nvlink-gbs", "100"]
+    code, out, err = run(capsys, *argv, "--out", str(out_dir))
+    assert code == 0, err
+    assert "sequence-length buckets" in out
+    cfg = StparConfig.from_deepspeed_json(str(out_dir / "ds_stpar.json"))
+    assert len(cfg.buckets) >= 2 and cfg.buckets[-1].max_len == cfg.train.seq_len == 32768
+    assert cfg.train.tokens_per_step == 64 * 32768
+    models = [bk.model_key(b.strategy) for b in cfg.buckets]
+    assert len(set(models)) == len(models)  # every bucket its own model
+    ds = json.loads((out_dir / "ds_stpar.json").read_text())
+    home = cfg.home
+    assert ds["train_micro_batch_size_per_gpu"] == home.micro_batch
+    assert ds["train_batch_size"] == (
+        home.micro_batch * ds["gradient_accumulation_steps"] * home.layout.dp
+    )
+    predicted = cfg.extra["predicted"]
+    assert predicted["speedup"] > 1.0
+    assert [b["edge"] for b in predicted["buckets"]] == [b.max_len for b in cfg.buckets]
+    assert "## Sequence-length buckets" in (out_dir / "plan.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--data", "/nonexistent/corpus.jsonl"], "no such file"),
+        (["--data", "STDLIB", "--text-column", "body"], "no text column 'body'"),
+        (["--data", "STDLIB", "--ids-column", "path"], "not lists of integer token ids"),
+        (["--data", "STDLIB", "--max-buckets", "0"], "max-buckets"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(capsys, stdlib_jsonl, argv, message):
+    argv = [stdlib_jsonl[0] if a == "STDLIB" else a for a in argv]
+    code, out, err = run(capsys, "buckets", *argv, *ARGS_8K)
+    assert code == 2 and out == ""
+    assert err.startswith("ds-stpar: error:") and message in err and len(err.splitlines()) == 1
+
+
+def test_cli_defaults_match_the_planner():
+    assert cli.DEFAULT_MAX_BUCKETS == bk.DEFAULT_MAX_BUCKETS
+    assert cli.DEFAULT_MIN_EDGE == bk.DEFAULT_MIN_EDGE
