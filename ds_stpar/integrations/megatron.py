@@ -89,7 +89,7 @@ def build_gpt(
     """This rank's pipeline stage of a GPT model with ds_stpar's layer spec."""
     config = transformer_config(model, strategy, dtype)
     pp_rank, pp = groups.pp_index, groups.layout.pp
-    return GPTModel(
+    gpt = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_block_stpar_spec(
             config, groups.layout.tp_mode, pp_rank=pp_rank
@@ -104,3 +104,8 @@ def build_gpt(
         else "learned_absolute",
         pg_collection=process_groups(groups),
     )
+    if torch.cuda.is_available():
+        # torch.nn.Embedding (learned positions) is created on the CPU in fp32 whatever the
+        # config says; DeepSpeed moves and casts only the model it wraps, so do it here for all.
+        gpt = gpt.to(device=torch.cuda.current_device(), dtype=config.params_dtype)
+    return gpt
