@@ -13,6 +13,8 @@ layout); :data:`COMMANDS` lists them, so a new subcommand is one function and on
 - ``buckets``: sequence-length buckets for a dataset (edges and one layout per bucket,
   :mod:`ds_stpar.planner.buckets`) against the best static layout; ``plan --data`` writes
   them into ds_stpar.json.
+- ``demo``: the README's main job: plan buckets for 2 local processes and train a tiny GPT
+  with hot switching on CPU through launch/pretrain.py's code path (:mod:`ds_stpar.demo`).
 
 Human-readable output goes to stdout; with ``--json`` stdout carries only the JSON object.
 A user mistake (:class:`~ds_stpar.errors.StparError`) prints ``ds-stpar: error: <message>``
@@ -43,6 +45,7 @@ from ds_stpar.config import (
     TrainSpec,
     load_gpu,
 )
+from ds_stpar.demo import demo_command_parser
 from ds_stpar.errors import ConfigError, DoesNotFitError, StparError
 
 DEFAULT_MODEL = "gpt3-1.3b"
@@ -639,6 +642,7 @@ COMMANDS: list[Callable] = [
     estimate_command_parser,
     profile_command_parser,
     buckets_command_parser,
+    demo_command_parser,
 ]
 
 
