@@ -14,7 +14,14 @@ def test_demo_trains_with_switching_and_writes_its_run_folder(tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for name in ("ds_stpar.json", "config.json", "metrics.jsonl", "loss.png", "lengths.png", "timeline.png"):
+    for name in (
+        "ds_stpar.json",
+        "config.json",
+        "metrics.jsonl",
+        "loss.png",
+        "lengths.png",
+        "timeline.png",
+    ):
         assert (out / name).stat().st_size > 0, name
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 9))
