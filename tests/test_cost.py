@@ -361,22 +361,42 @@ def test_ring_exposes_more_when_hops_overlap_less():
     assert exposed[0] < exposed[1] < exposed[2]
 
 
-def test_cannon_shifts_both_operands_for_q_steps():
-    model = gpt("g", 8192, 2, 64)
-    tokens, q = 32768, 2
+def test_cannon_exposes_its_four_boundary_relayouts():
+    """Closed form of layers/cannon.py's re-layout volumes (elements received per rank, per
+    forward; M tokens, P = q^2): column in (q-1)/q M K/P and out M N/P, row in M K/P and out
+    (q-1)/q M N/P; backward receives the same again. Every one is exposed, priced as one P2P
+    transfer of its bytes."""
+    h, tokens, q = 8192, 32768, 2
+    model = gpt("g", h, 2, 64)  # GeLU MHA: qkv h -> 3h, proj h -> h, fc1 h -> 4h, fc2 4h -> h
+    p, e = q * q, 2
     speed, _ = _speed(1.0)
-    links = placement(Layout(dp=2, tp=q * q, tp_mode="cannon"), ClusterSpec(H100, 8))
-    block = cannon_block(model, tokens, q * q, links.tp_p2p, links.tp, speed, overlap=1.0)
-    # per linear: forward, dX and dW passes of q - 1 hops each, plus 2 re-skew hops
-    hops_per_step = 4 * (3 * (q - 1) + 2)
-    norm_all_reduces = 4
-    assert set(block.collectives) == {"p2p", "all_reduce"}
-    per_hop = block.collectives["p2p"] / hops_per_step
-    largest = links.tp_p2p.p2p(2 * (tokens / q) * (2 * 4 * 8192 / q))
-    assert per_hop <= largest
-    assert block.collectives["all_reduce"] == pytest.approx(
-        norm_all_reduces * links.tp.all_reduce(8 * tokens / q)
-    )
+    links = placement(Layout(dp=2, tp=p, tp_mode="cannon"), ClusterSpec(H100, 8))
+    near = (q - 1) / q
+    received = [
+        near * tokens * h / p,  # qkv in
+        tokens * 3 * h / p,  # qkv out
+        tokens * h / p,  # proj in
+        near * tokens * h / p,  # proj out
+        near * tokens * h / p,  # fc1 in
+        tokens * 4 * h / p,  # fc1 out
+        tokens * 4 * h / p,  # fc2 in
+        near * tokens * h / p,  # fc2 out
+    ]
+    relayouts = sum(links.tp_p2p.p2p(e * v) for v in received)
+    block = cannon_block(model, tokens, p, links.tp_p2p, speed, overlap=1.0)
+    assert set(block.collectives) == {"p2p", "all_to_all"}
+    assert block.collectives["all_to_all"] == pytest.approx(2 * relayouts)
+    # At h = 8192 and T/q = 16384 tokens every shift is shorter than the H100 sub-GEMM beside
+    # it, so with full overlap the core hides and exactly the re-layouts show, both ways.
+    assert block.comm.fwd == pytest.approx(relayouts)
+    assert block.comm.bwd == pytest.approx(relayouts)
+    # With no overlap the core's hops add on top: (q - 1) per forward pass, q per backward.
+    bare = cannon_block(model, tokens, p, links.tp_p2p, speed, overlap=0.0)
+    assert bare.comm.fwd > relayouts and bare.comm.bwd > relayouts
+    assert bare.comm.fwd + bare.comm.bwd == pytest.approx(2 * relayouts + block.collectives["p2p"])
+    # At P = 4 the drop-in Cannon exposes more than the ring moves in all (layers.md).
+    ring = ring_block(model, tokens, p, links.tp_p2p, speed, overlap=0.0)
+    assert block.comm.fwd > ring.comm.fwd
 
 
 # --------------------------------------------------------------------------------------

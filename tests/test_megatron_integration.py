@@ -1,5 +1,8 @@
 """megatron-core GPT built from ModelSpec/Strategy with explicit groups; vocab-parallel CE."""
 
+import math
+import os
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -156,3 +159,148 @@ def _spec_parity(rank: int, world: int) -> None:
 
 def test_gpt_with_stpar_spec_matches_megatron_local_spec():
     run_workers(_spec_parity, 2)
+
+
+def _glu_masters(spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """Global (Megatron checkpoint) tensors of a gated MLP: fc1 ``[gate; up]`` [2f, h] with
+    its bias [2f], fc2 [h, f] with its bias [h]; random so that every element differs."""
+    h, f = spec.hidden_size, spec.ffn_hidden_size
+    gen = torch.Generator().manual_seed(11)
+    shapes = {
+        "linear_fc1.weight": (2 * f, h),
+        "linear_fc1.bias": (2 * f,),
+        "linear_fc2.weight": (h, f),
+        "linear_fc2.bias": (h,),
+    }
+    return {name: torch.randn(shape, generator=gen) for name, shape in shapes.items()}
+
+
+def _glu_rows(full: torch.Tensor, shards: range, size: int) -> torch.Tensor:
+    """Megatron's stride-2 GLU rows of TP ranks ``shards``: [gate_d; up_d] for each d in turn."""
+    gate, up = full.chunk(2, dim=0)
+    return torch.cat([torch.cat((gate.chunk(size)[d], up.chunk(size)[d])) for d in shards])
+
+
+def _set_mlp(mlp, masters: dict[str, torch.Tensor], mode: str, rank: int, size: int) -> None:
+    """This rank's blocks, cut by hand from the global tensors: ring holds Megatron's shards
+    (fc1 rows of rank d, fc2 columns d); Cannon rank (r, c) holds rows NB_c of the
+    interleaved fc1 (shards cq .. cq+q-1) and columns KB_(r+c)%q, and of fc2 rows NB_c and
+    columns KB_(r+c)%q (the fc2 shards (r+c)%q * q .. + q-1 together)."""
+    q = math.isqrt(size)
+    r, c = divmod(rank, q)
+    fc1, fc2 = masters["linear_fc1.weight"], masters["linear_fc2.weight"]
+    if mode == "ring":
+        w1, w2 = _glu_rows(fc1, range(rank, rank + 1), size), fc2.chunk(size, dim=1)[rank]
+    else:
+        k = (r + c) % q
+        w1 = _glu_rows(fc1, range(c * q, c * q + q), size).chunk(q, dim=1)[k]
+        w2 = fc2.chunk(q, dim=0)[c].chunk(q, dim=1)[k]
+    with torch.no_grad():
+        mlp.linear_fc1.weight.copy_(w1)
+        mlp.linear_fc2.weight.copy_(w2)
+        mlp.linear_fc1.bias.copy_(
+            _glu_rows(masters["linear_fc1.bias"], range(rank, rank + 1), size)
+        )
+        mlp.linear_fc2.bias.copy_(masters["linear_fc2.bias"])
+
+
+def _assemble(sharded: dict, prefix: str, group) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """(global tensor, how many main-replica shards cover each element), summed over ranks."""
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedTensor,
+        ShardedTensorFactory,
+        is_main_replica,
+    )
+
+    out = {}
+    for key, item in sharded.items():
+        pieces = item.build() if isinstance(item, ShardedTensorFactory) else [item]
+        for piece in pieces:
+            if not isinstance(piece, ShardedTensor):
+                continue  # _extra_state objects
+            name = key[len(prefix) :]
+            full, cover = out.setdefault(
+                name, (torch.zeros(piece.global_shape), torch.zeros(piece.global_shape))
+            )
+            assert full.shape == piece.global_shape, (name, full.shape, piece.global_shape)
+            if is_main_replica(piece.replica_id):
+                full[piece.global_slice()] += piece.data
+                cover[piece.global_slice()] += 1
+    for full, cover in out.values():
+        dist.all_reduce(full, group=group)
+        dist.all_reduce(cover, group=group)
+    return out
+
+
+def _cannon_glu_checkpoint(rank: int, world: int) -> None:
+    """The dist-checkpoint view of a SwiGLU MLP built from the Cannon spec: every tensor has
+    Megatron's global shape, its shards tile it exactly once and assemble to the global
+    tensors (checked bit-exactly: no arithmetic); a save under Cannon loads under ring
+    (Megatron's own GLU factory) and back, bit-exactly."""
+    import dataclasses
+    import shutil
+    import tempfile
+
+    from ds_stpar.integrations import megatron_cpu
+
+    megatron_cpu.apply()
+    from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.spec_utils import build_module
+
+    from ds_stpar.integrations.megatron import transformer_config
+    from ds_stpar.layers.cannon_mlp import StparMLP
+    from ds_stpar.layers.megatron_spec import get_gpt_layer_stpar_spec
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    group = parallel_state.get_tensor_model_parallel_group()
+    spec = dataclasses.replace(TINY_LLAMA, add_bias_linear=True)  # h 64, f 96, P 4: q 2
+    config = transformer_config(
+        spec, Strategy(Layout(tp=world, tp_mode="cannon"), sequence_parallel=True), "fp32"
+    )
+    masters = _glu_masters(spec)
+
+    def build(mode: str, filled: bool):
+        mlp_spec = get_gpt_layer_stpar_spec(mode).submodules.mlp
+        mlp = build_module(mlp_spec, config=config, ffn_hidden_size=spec.ffn_hidden_size)
+        assert type(mlp) is (StparMLP if mode == "cannon" else MLP), type(mlp)
+        if filled:
+            _set_mlp(mlp, masters, mode, rank, world)
+        else:
+            with torch.no_grad():
+                for param in mlp.parameters():
+                    param.zero_()
+        return mlp
+
+    mlps = {mode: build(mode, True) for mode in ("ring", "cannon")}
+    for mode, mlp in mlps.items():
+        views = _assemble(mlp.sharded_state_dict(prefix="mlp."), "mlp.", group)
+        assert views.keys() == masters.keys(), (mode, views.keys())
+        for name, (full, cover) in views.items():
+            assert torch.equal(cover, torch.ones_like(cover)), (mode, name, cover.unique())
+            assert torch.equal(full, masters[name]), (mode, name)
+
+    path = [tempfile.mkdtemp(prefix="stpar-glu-") if rank == 0 else None]
+    dist.broadcast_object_list(path)
+    for saved, loaded in (("cannon", "ring"), ("ring", "cannon")):
+        folder = f"{path[0]}/{saved}"
+        if rank == 0:
+            os.makedirs(folder)
+        dist.barrier()
+        dist_checkpointing.save(mlps[saved].sharded_state_dict(prefix="mlp."), folder)
+        fresh = build(loaded, False)
+        state = dist_checkpointing.load(fresh.sharded_state_dict(prefix="mlp."), folder)
+        fresh.load_state_dict({key[len("mlp.") :]: value for key, value in state.items()})
+        for name, param in fresh.named_parameters():
+            assert torch.equal(param, dict(mlps[loaded].named_parameters())[name]), (
+                f"{saved} -> {loaded}: {name}"
+            )
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(path[0])
+    parallel_state.destroy_model_parallel()
+
+
+def test_cannon_swiglu_mlp_checkpoint_is_megatrons():
+    run_workers(_cannon_glu_checkpoint, 4)

@@ -180,12 +180,41 @@ def test_rule_14_ring_needs_sequence_parallel_boundary():
     assert "set sequence_parallel" in only(violations(MODEL, CLUSTER, TRAIN, no_sp), 14)
 
 
-def test_rule_15_cannon_divisibility():
-    cannon = dataclasses.replace(VALID, layout=Layout(dp=2, tp=4, pp=2, tp_mode="cannon"))
-    odd_batch = dataclasses.replace(cannon, micro_batch=1)
-    assert "micro_batch 1 % q == 0" in only(violations(MODEL, CLUSTER, TRAIN, odd_batch), 15)
-    heads = model(num_attention_heads=15, kv_channels=128)
-    assert "num_attention_heads 15 % q == 0" in only(violations(heads, CLUSTER, TRAIN, cannon), 15)
+CANNON = dataclasses.replace(VALID, layout=Layout(dp=2, tp=4, pp=2, tp_mode="cannon"))
+
+
+def test_rule_15_cannon_needs_what_the_layer_needs():
+    # layers/cannon.py keeps whole sequences (the batch is never split): any micro-batch works
+    for b in (1, 2, 4):
+        assert violations(MODEL, CLUSTER, TRAIN, dataclasses.replace(CANNON, micro_batch=b)) == []
+    # token blocks are SP chunks: s % P (rule 9 says the same for SP in general)
+    odd_seq = violations(MODEL, CLUSTER, TrainSpec(2046, 64), CANNON)
+    assert [msg[:8] for msg in odd_seq] == ["rule 9: ", "rule 15:"]
+    assert "seq_len 2046 % tp 4 == 0" in odd_seq[1]
+    no_sp = dataclasses.replace(CANNON, sequence_parallel=False)
+    assert "set sequence_parallel" in only(violations(MODEL, CLUSTER, TRAIN, no_sp), 15)
+    # hidden (every linear's unsharded dim) is cut into q blocks; heads x kv_channels need not
+    # equal it
+    hidden = model(hidden_size=2049, kv_channels=128, ffn_hidden_size=8192)
+    assert "hidden_size 2049 % q == 0" in only(violations(hidden, CLUSTER, TRAIN, CANNON), 15)
+    # FFN (fc1 out, fc2 in) is cut into P Megatron shards: % P, not only % q
+    ffn = model(ffn_hidden_size=8194)
+    assert "ffn_hidden_size 8194 % tp 4 == 0" in only(violations(ffn, CLUSTER, TRAIN, CANNON), 15)
+    # QKV width with fewer query groups than ranks: (16 + 2) x 2 = 36 % 4 == 0 passes,
+    # (16 + 2) x 1 with a 1-wide head does not
+    narrow = model(num_attention_heads=16, num_query_groups=1, kv_channels=1)
+    assert "QKV width 18 (q + 2 kv) % tp 4 == 0" in only(
+        violations(narrow, CLUSTER, TRAIN, CANNON), 15
+    )
+    assert violations(model(num_query_groups=1, kv_channels=2), CLUSTER, TRAIN, CANNON) == []
+
+
+def test_rule_7_applies_to_cannon():
+    # Megatron's attention splits heads and query groups over all P ranks, not over q
+    six = model(num_attention_heads=6, kv_channels=256, hidden_size=1536)
+    assert "num_attention_heads 6 % tp 4 != 0" in only(violations(six, CLUSTER, TRAIN, CANNON), 7)
+    gqa = model(num_attention_heads=24, num_query_groups=6, kv_channels=64)
+    assert "num_query_groups 6 and tp 4" in only(violations(gqa, CLUSTER, TRAIN, CANNON), 7)
 
 
 def test_rule_16_tp_inside_a_node():

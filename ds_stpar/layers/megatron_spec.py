@@ -13,7 +13,10 @@ ordering and the GLU interleaving of fc1 are Megatron's); :class:`StparSpecProvi
   Megatron's ColumnParallelLinear/RowParallelLinear for ``tp_mode="megatron"``;
 - core attention: SDPA (flash on GPU; document masking for packed rows);
 - norms: LayerNorm/RMSNorm that accept sequence parallelism (ring and Cannon layers exchange
-  activations in Megatron's sequence-parallel layout, so such models run with SP on).
+  activations in Megatron's sequence-parallel layout, so such models run with SP on);
+- MLP, for Cannon only: :class:`~ds_stpar.layers.cannon_mlp.StparMLP`, Megatron's MLP whose
+  dist checkpoint of a gated fc1 describes Cannon's two-dimensional blocks in Megatron's
+  ``[gate; up]`` format (Megatron's own GLU factory assumes a row split).
 
 With a layer spec alone, Megatron builds the block's final norm from its own default (a
 torch norm that refuses SP when neither Apex nor Transformer Engine is installed), so models
@@ -42,6 +45,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from ds_stpar.config import TP_MODES
 from ds_stpar.errors import ConfigError
+from ds_stpar.layers.cannon_mlp import StparMLP
 from ds_stpar.layers.megatron_modules import SDPACoreAttention, SequenceParallelNorm
 
 
@@ -99,7 +103,7 @@ def get_gpt_layer_stpar_spec(tp_mode: str | None = None) -> ModuleSpec:
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=norm,
             mlp=ModuleSpec(
-                module=MLP,
+                module=StparMLP if backend.tp_mode == "cannon" else MLP,
                 submodules=MLPSubmodules(
                     linear_fc1=backend.column_parallel_linear(),
                     linear_fc2=backend.row_parallel_linear(),

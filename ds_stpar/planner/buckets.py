@@ -577,11 +577,8 @@ def _knobs(layout: Layout, flash: bool) -> list[tuple[bool, str]]:
     return [(sp, rc) for sp in sps for rc in recomputes]
 
 
-def _micro_batch_sizes(layout: Layout) -> list[int]:
-    """Powers of two up to MAX_MICRO_BATCH, multiples of q under Cannon (rule 15)."""
-    q = math.isqrt(layout.tp) if layout.tp_mode == "cannon" else 1
-    sizes = [1 << k for k in range(int(math.log2(MAX_MICRO_BATCH)) + 1)]
-    return [b for b in sizes if b % q == 0]
+MICRO_BATCH_SIZES = tuple(1 << k for k in range(int(math.log2(MAX_MICRO_BATCH)) + 1))
+"""Micro-batches a bucket layout is tried with: powers of two up to MAX_MICRO_BATCH."""
 
 
 class _Planner:
@@ -653,7 +650,7 @@ class _Planner:
         for layout in self.layouts:
             zeros = (0,) if not home or layout.dp == 1 else HOME_ZERO
             for zero, (sp, rc) in itertools.product(zeros, _knobs(layout, flash)):
-                for b in _micro_batch_sizes(layout):
+                for b in MICRO_BATCH_SIZES:
                     strategy = Strategy(layout, b, zero, rc, sp)
                     probe = self.train_at(edge, b * layout.dp)
                     if rules.violations(

@@ -48,7 +48,7 @@ from ds_stpar.config import (
 )
 from ds_stpar.errors import ConfigError
 from ds_stpar.planner import memory as mem
-from ds_stpar.planner.comm import Link, Placement, placement
+from ds_stpar.planner.comm import Placement, placement
 from ds_stpar.planner.compute import (
     Phase,
     Speed,
@@ -60,7 +60,6 @@ from ds_stpar.planner.compute import (
 from ds_stpar.planner.compute import lm_head as lm_head_time
 from ds_stpar.planner.profile import Calibration
 from ds_stpar.planner.tensor_parallel import (
-    NORMS_PER_BLOCK,
     BlockTP,
     cannon_block,
     head_seqs,
@@ -140,7 +139,7 @@ class Estimate:
     buffers: not seen by ``torch.cuda.max_memory_allocated``, nor is the allocator headroom).
     ``micro_batches``: m per step; ``peak_stage``: the pipeline stage of the peak;
     ``tp_collectives_s``: raw seconds per step of each TP collective kind on the first stage's
-    blocks (all_reduce / all_gather / reduce_scatter / p2p), before any overlap.
+    blocks (all_reduce / all_gather / reduce_scatter / p2p / all_to_all), before any overlap.
     """
 
     strategy: Strategy
@@ -254,11 +253,7 @@ def block_tp(ctx: _Context) -> BlockTP:
     if ctx.mode == "ring":
         return ring_block(model, ctx.tokens, t, ctx.links.tp_p2p, speed, cal.ring_hop_overlap)
     if ctx.mode == "cannon":
-        q = math.isqrt(t)
-        row = Link(q, ctx.links.tp.busbw, ctx.links.tp.alpha)
-        return cannon_block(
-            model, ctx.tokens, t, ctx.links.tp_p2p, row, speed, cal.ring_hop_overlap
-        )
+        return cannon_block(model, ctx.tokens, t, ctx.links.tp_p2p, speed, cal.ring_hop_overlap)
     return megatron_block(
         model,
         ctx.tokens,
@@ -333,9 +328,9 @@ def layer_host_calls(ctx: _Context) -> tuple[int, int]:
     linears: 10 (recompute +4). Without SP: 2 forward and 2 backward all-reduces (+2).
     Ring: every linear runs one forward and one backward ``ring_pass`` (the column backward
     carries the dX accumulator and the X rotation in one batch per step), P - 1 hops each:
-    8 (P - 1) (recompute +4 (P - 1)). Cannon: per linear q - 1 shifts in each of the forward,
-    dX and dW passes plus two re-skews (forward output, backward gradient), and 4 norm-stat
-    all-reduces per layer."""
+    8 (P - 1) (recompute +4 (P - 1)). Cannon, per linear: q - 1 shift batches forward and q
+    backward (the last carries the dX accumulator alone), and two re-layouts each way, each
+    one P2P batch: 4 (2q + 3) (recompute +4 (q + 1)); no collective."""
     if ctx.t == 1:
         return 0, 0
     again = ctx.strategy.recompute == "full"
@@ -343,8 +338,8 @@ def layer_host_calls(ctx: _Context) -> tuple[int, int]:
         return 0, (8 + (4 if again else 0)) * (ctx.t - 1)
     if ctx.mode == "cannon":
         q = math.isqrt(ctx.t)
-        per_linear = 3 * (q - 1) + 2 + ((q - 1) + 1 if again else 0)
-        return 2 * NORMS_PER_BLOCK, 4 * per_linear
+        forward = (q - 1) + 2
+        return 0, 4 * (forward + q + 2 + (forward if again else 0))
     if ctx.sharded:
         return 10 + (4 if again else 0), 0
     return 4 + (2 if again else 0), 0
@@ -537,7 +532,8 @@ def tensors_per_stage(ctx: _Context, stage: int) -> int:
 def tp_buffer_bytes(ctx: _Context) -> float:
     """Transient TP buffers: Megatron's gathered input (and, with SP, the unreduced output)
     of e T h each; ring: three T/t chunk buffers; Cannon: double-buffered activation and
-    weight blocks."""
+    weight blocks, and the received pieces of the widest re-layout (column out of fc1,
+    e T f' / t, f' the fc1 width) beside its output."""
     if ctx.t == 1:
         return 0.0
     e, h, tokens = ctx.e, ctx.model.hidden_size, ctx.tokens
@@ -546,7 +542,8 @@ def tp_buffer_bytes(ctx: _Context) -> float:
     if ctx.mode == "cannon":
         q = math.isqrt(ctx.t)
         widest = max(ctx.model.ffn_hidden_size * (2 if ctx.model.gated else 1), h)
-        return 2 * e * (tokens / q) * (h / q) + 2 * e * (h / q) * (widest / q)
+        blocks = 2 * e * (tokens / q) * (h / q) + 2 * e * (h / q) * (widest / q)
+        return blocks + e * tokens * widest / ctx.t
     return (2 if ctx.sharded else 1) * e * tokens * h
 
 

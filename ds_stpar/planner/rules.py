@@ -25,7 +25,7 @@ in a :class:`MegatronOptions`; :func:`megatron_options` gives the values ds-stpa
 | 12 | CUDA_DEVICE_MAX_CONNECTIONS=1 when t > 1 or c > 1 (before Blackwell) |
 | 13 | DeepSpeed's PipelineEngine refuses ZeRO-2/3: with p > 1, zero is 0 or 1 |
 | 14 | ring: sequence parallel on (its boundary layout) and seq_len % t == 0 |
-| 15 | Cannon: t = q^2; micro-batch, heads, query groups, hidden and FFN sizes divisible by q |
+| 15 | Cannon: t = q^2, q >= 2; SP on; seq_len % t, hidden % q, FFN % t, QKV width % t == 0 |
 | 16 | a TP group stays inside a node unless TP across nodes is allowed |
 """
 
@@ -220,8 +220,6 @@ def rule_7(x: _Case) -> str | None:
     a, g, t = x.model.num_attention_heads, x.model.num_query_groups, x.t
     if x.opts.fp16 and x.opts.bf16:
         return "rule 7: fp16 and bf16 both set; choose one"
-    if x.strategy.layout.tp_mode == "cannon":
-        return None  # rule 15 splits heads over q = sqrt(t), not t
     if a % t:
         return f"rule 7: num_attention_heads {a} % tp {t} != 0"
     if g % t and t % g:
@@ -305,25 +303,28 @@ def rule_14(x: _Case) -> str | None:
 
 
 def rule_15(x: _Case) -> str | None:
+    """What ``layers/cannon.py`` (through ``layers/linear.py``) needs: a square group; the SP
+    boundary layout, whose sequence chunks are the token blocks (s % t; the batch is never
+    split); hidden (the unsharded dim of all four linears) cut into q blocks; the sharded
+    dims (FFN, QKV width) cut into t Megatron shards, q of them per block. Attention keeps
+    Megatron's split of heads and query groups over all t ranks (rule 7)."""
     if x.strategy.layout.tp_mode != "cannon":
         return None
-    q = math.isqrt(x.t)
-    if q * q != x.t or q < 2:
-        return f"rule 15: Cannon needs tp = q*q with q >= 2, got tp {x.t}"
-    m = x.model
-    sizes = {
-        "micro_batch": x.strategy.micro_batch,
-        "num_attention_heads": m.num_attention_heads,
-        "hidden_size": m.hidden_size,
-        "ffn_hidden_size": m.ffn_hidden_size,
-    }
-    for name, value in sizes.items():
-        if value % q:
-            return f"rule 15: Cannon (q {q}) needs {name} {value} % q == 0"
-    if m.num_query_groups % q:
-        return f"rule 15: Cannon (q {q}) needs num_query_groups {m.num_query_groups} % q == 0"
+    t, q = x.t, math.isqrt(x.t)
+    if q * q != t or q < 2:
+        return f"rule 15: Cannon needs tp = q*q with q >= 2, got tp {t}"
     if not x.strategy.sequence_parallel:
-        return "rule 15: Cannon keeps activations sharded between layers; set sequence_parallel"
+        return "rule 15: Cannon exchanges sequence-parallel shards; set sequence_parallel"
+    m, s = x.model, x.train.seq_len
+    if s % t:
+        return f"rule 15: Cannon needs seq_len {s} % tp {t} == 0 (pad to a multiple of {t})"
+    if m.hidden_size % q:
+        return f"rule 15: Cannon (q {q}) needs hidden_size {m.hidden_size} % q == 0"
+    if m.ffn_hidden_size % t:
+        return f"rule 15: Cannon needs ffn_hidden_size {m.ffn_hidden_size} % tp {t} == 0"
+    qkv = m.q_size + 2 * m.kv_size
+    if qkv % t:
+        return f"rule 15: Cannon needs the QKV width {qkv} (q + 2 kv) % tp {t} == 0"
     return None
 
 

@@ -152,12 +152,11 @@ def _vpp_options(fam: _Family, model: ModelSpec, m: int) -> list[int]:
 
 
 def _micro_batches(fam: _Family, train: TrainSpec) -> list[int]:
-    """Micro-batches dividing the per-DP batch (rule 6), multiples of q under Cannon (rule 15)."""
+    """Micro-batches dividing the per-DP batch (rule 6)."""
     if train.global_batch % fam.layout.dp:
         return []
-    q = math.isqrt(fam.layout.tp) if fam.layout.tp_mode == "cannon" else 1
     per_dp = train.global_batch // fam.layout.dp
-    return [b for b in divisors(per_dp) if b <= MAX_MICRO_BATCH and b % q == 0]
+    return [b for b in divisors(per_dp) if b <= MAX_MICRO_BATCH]
 
 
 class _Search:
@@ -213,13 +212,6 @@ class _Search:
         batch, dp = self.train.global_batch, fam.layout.dp
         if batch % dp:
             self.rejected[fam.name] = f"rule 6: global batch {batch} % dp {dp} != 0"
-            return
-        if not _micro_batches(fam, self.train):
-            q = math.isqrt(fam.layout.tp)
-            self.rejected[fam.name] = (
-                f"rule 15: Cannon needs a micro-batch multiple of q {q}; {batch // dp} "
-                "sequences per DP rank have none"
-            )
             return
         reason = self.family_violation(fam)
         if reason:

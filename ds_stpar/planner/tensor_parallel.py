@@ -2,8 +2,8 @@
 
 Each function returns a :class:`BlockTP`: GEMM seconds, exposed communication seconds
 (forward, backward) and the raw seconds per collective kind (all_reduce, all_gather,
-reduce_scatter, p2p, for reports and tests). ``S = e T h`` is the full activation of the
-micro-batch (T = b s tokens).
+reduce_scatter, p2p, all_to_all; for reports and tests). ``S = e T h`` is the full
+activation of the micro-batch (T = b s tokens).
 
 Megatron (planner.md "Collectives"): per block 2 all-reduces of S forward and 2 backward, or
 with sequence parallelism 2 all-gathers + 2 reduce-scatters forward and the mirror backward.
@@ -20,10 +20,21 @@ GEMM on the local chunk, an accumulator's hop with the next partial GEMM; it hid
 that GEMM up to ``ring_hop_overlap`` of its length (the measured share, ``hop hidden`` of
 ``bench/layers.py``): pass = P g + (P - 1) max(hop - g, (1 - overlap) hop). No all-reduce.
 
-Cannon (Instance B), P = q x q: q steps per pass of a ``(T/q x k/q) @ (k/q x n/q)`` GEMM while
-both operands shift one hop (the larger hop counts); three passes per linear (forward, dX,
-dW), one exposed re-skew hop of the output per linear forward and of its gradient backward,
-and a small all-reduce of norm statistics over the q ranks of a row per norm.
+Cannon (Instance B, ``layers/cannon.py``), P = q x q. The layer keeps Megatron's
+sequence-parallel boundary layouts, so per linear it runs:
+
+- four blocking re-layouts (``layers/comm.exchange``, an all-to-all-v of P2P messages),
+  forward in and out and their transposes in backward, which receive the same volumes
+  (:func:`cannon_relayout_elements`). None overlaps compute. Each is priced as one transfer
+  of what a rank receives over the TP P2P link, ``alpha + e V / B`` (a rank receives from
+  its peers at once, through its own links);
+- a forward pass of q steps of a ``(T/q x k/q) @ (k/q x n/q)`` GEMM while the X block moves
+  left and the W block up (the larger hop counts), hidden as in the ring;
+- a backward of q steps of the dX and dW sub-GEMMs: step j's hops (W up, X diagonally, dY
+  up, the dX accumulator left; the largest counts) run beside step j's dW GEMM, the last
+  step's hop carries only the accumulator; each shows ``max(hop - g_dW, (1 - overlap) hop)``.
+
+Norms, attention and the residual stream run in Megatron's SP layout, as for the ring.
 """
 
 from __future__ import annotations
@@ -33,10 +44,7 @@ from dataclasses import dataclass, field
 
 from ds_stpar.config import ModelSpec
 from ds_stpar.planner.comm import Link
-from ds_stpar.planner.compute import Gemm, Phase, Speed, block_linears, megatron_gemm
-
-NORMS_PER_BLOCK = 2
-NORM_STAT_BYTES = 8  # fp32 mean and variance per token
+from ds_stpar.planner.compute import Gemm, Linear, Phase, Speed, block_linears, megatron_gemm
 
 
 @dataclass
@@ -104,13 +112,19 @@ def _hidden(comm: float, gemm: float, overlap: float) -> float:
     return max(0.0, comm - overlap * gemm)
 
 
+def _beside(hop: float, gemm: float, overlap: float) -> float:
+    """Exposed part of a hop run beside a GEMM that hides up to ``overlap`` of the hop: a hop
+    longer than the GEMM shows its excess, a shorter one its unhidden share."""
+    return max(hop - gemm, (1.0 - overlap) * hop)
+
+
 def pipelined_pass(steps: int, step_gemm: float, hop: float, overlap: float) -> tuple[float, float]:
     """(GEMM seconds, exposed comm seconds) of ``steps`` steps with ``steps - 1`` hops, each
     hop running beside one step GEMM that hides up to ``overlap`` of it: a hop longer than
     the GEMM shows its excess, a shorter one its unhidden share ``(1 - overlap) hop``."""
     if steps == 1:
         return step_gemm, 0.0
-    return steps * step_gemm, (steps - 1) * max(hop - step_gemm, (1.0 - overlap) * hop)
+    return steps * step_gemm, (steps - 1) * _beside(hop, step_gemm, overlap)
 
 
 def ring_block(
@@ -146,40 +160,61 @@ def ring_block(
     return result
 
 
+def cannon_relayout_elements(lin: Linear, tokens: float, q: int) -> tuple[float, float]:
+    """Elements one rank receives in the (in, out) re-layouts of a Cannon linear's forward
+    (``layers/cannon.py``; M = T tokens, P = q^2), the most any rank of the group receives:
+
+        column in   SP [M/P, K] -> X(r, c)    (q-1)/q M K / P   (its own SP chunk is local)
+        column out  Y(r, c) -> [M, N/P]       M N / P           (off-diagonal ranks)
+        row in      [M, K/P] -> X(r, c)       M K / P           (ranks with c != 0)
+        row out     Y(r, c) -> SP [M/P, N]    (q-1)/q M N / P
+
+    The backward runs the transposed exchanges, which receive the same volumes."""
+    p = q * q
+    near = (q - 1) / q
+    if lin.column:
+        return near * tokens * lin.k / p, tokens * lin.n / p
+    return tokens * lin.k / p, near * tokens * lin.n / p
+
+
 def cannon_block(
     model: ModelSpec,
     tokens: float,
     tp: int,
     hop_link: Link,
-    row_link: Link,
     speed: Speed,
     overlap: float,
 ) -> BlockTP:
-    """Cannon (P = q^2): q-step passes of (T/q x k/q) @ (k/q x n/q) with both operands shifting."""
+    """Cannon (P = q^2): per linear two exposed re-layouts each way and q-step passes of
+    (T/q x k/q) @ (k/q x n/q) with the operands shifting (see the module docstring)."""
     q, e = math.isqrt(tp), speed.e
     m = tokens / q
     result = BlockTP(Phase(0, 0), Phase(0, 0))
     fwd_g = bwd_g = fwd_c = bwd_c = 0.0
 
-    def run(step: Gemm, hop_a: float, hop_b: float) -> tuple[float, float]:
-        hop = max(hop_link.p2p(e * hop_a), hop_link.p2p(e * hop_b))
-        result.count("p2p", hop, q - 1)
-        return pipelined_pass(q, speed.gemm(step), hop, overlap)
+    def hop(*elements: float) -> float:
+        return max(hop_link.p2p(e * size) for size in elements)
 
     for lin in block_linears(model):
         n, k = lin.n / q, lin.k / q
+        relayout = sum(hop_link.p2p(e * v) for v in cannon_relayout_elements(lin, tokens, q))
+        result.count("all_to_all", relayout, 2)
         step = Gemm(m, n, k)
-        g, c = run(step, m * k, k * n)  # X moves left, W moves up
-        reskew = hop_link.p2p(e * m * n)
-        result.count("p2p", reskew, 2)
-        fwd_g, fwd_c = fwd_g + g, fwd_c + c + reskew
-        g1, c1 = run(step.dgrad(), k * n, m * k)  # W rotates, dX accumulators move
-        g2, c2 = run(step.wgrad(), m * k, m * n)  # X moves diagonally, dY moves up
-        bwd_g, bwd_c = bwd_g + g1 + g2, bwd_c + c1 + c2 + reskew
-    stats = row_link.all_reduce(NORM_STAT_BYTES * m)
-    result.count("all_reduce", stats, 2 * NORMS_PER_BLOCK)
+        shift = hop(m * k, k * n)  # X moves left, W moves up
+        result.count("p2p", shift, q - 1)
+        g, c = pipelined_pass(q, speed.gemm(step), shift, overlap)
+        fwd_g, fwd_c = fwd_g + g, fwd_c + c + relayout
+        dgrad, wgrad = speed.gemm(step.dgrad()), speed.gemm(step.wgrad())
+        moving = hop(k * n, m * k, m * n)  # W up; X diagonally, dX accumulator left; dY up
+        last = hop(m * k)  # the accumulator's final hop lands dX[MB_r, KB_(r+c)] on (r, c)
+        result.count("p2p", moving, q - 1)
+        result.count("p2p", last)
+        bwd_g += q * (dgrad + wgrad)
+        bwd_c += (
+            relayout + (q - 1) * _beside(moving, wgrad, overlap) + _beside(last, wgrad, overlap)
+        )
     result.gemm = Phase(fwd_g, bwd_g)
-    result.comm = Phase(fwd_c + NORMS_PER_BLOCK * stats, bwd_c + NORMS_PER_BLOCK * stats)
+    result.comm = Phase(fwd_c, bwd_c)
     return result
 
 
@@ -189,6 +224,6 @@ def sharded_boundary(tp: int, mode: str, sp: bool) -> bool:
 
 
 def head_seqs(micro_batch: int, model: ModelSpec, tp: int) -> float:
-    """(sequence, head) pairs of attention on one GPU: b a / t for every mode (Cannon splits
-    the batch q ways and the heads q ways)."""
+    """(sequence, head) pairs of attention on one GPU: b a / t for every mode (ring and
+    Cannon keep Megatron's attention, heads and query groups split over all t ranks)."""
     return micro_batch * model.num_attention_heads / tp
