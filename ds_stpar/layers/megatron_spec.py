@@ -78,10 +78,13 @@ class StparSpecProvider(LocalSpecProvider):
         return SDPACoreAttention
 
 
-def get_gpt_layer_stpar_spec(tp_mode: str | None = None) -> ModuleSpec:
+def get_gpt_layer_stpar_spec(tp_mode: str | None = None, tp_group=None) -> ModuleSpec:
     """A GPT transformer-layer spec with ds_stpar modules (see the module docstring).
 
     The norm type (LayerNorm/RMSNorm) follows ``TransformerConfig.normalization``.
+    ``tp_group``: the TP group of models built with explicit groups. Megatron's
+    ``TransformerLayer`` hands its TP group only to an MLP of type exactly ``MLP``, so the
+    Cannon ``StparMLP`` gets it from the spec (None: Megatron's global parallel state).
     """
     backend = StparSpecProvider(tp_mode or os.environ.get("DS_STPAR_TP_MODE", "ring"))
     norm = backend.layer_norm()
@@ -104,6 +107,9 @@ def get_gpt_layer_stpar_spec(tp_mode: str | None = None) -> ModuleSpec:
             pre_mlp_layernorm=norm,
             mlp=ModuleSpec(
                 module=StparMLP if backend.tp_mode == "cannon" else MLP,
+                params={"tp_group": tp_group}
+                if backend.tp_mode == "cannon" and tp_group is not None
+                else {},
                 submodules=MLPSubmodules(
                     linear_fc1=backend.column_parallel_linear(),
                     linear_fc2=backend.row_parallel_linear(),
@@ -119,11 +125,13 @@ def get_gpt_block_stpar_spec(
     tp_mode: str | None = None,
     pp_rank: int | None = None,
     vp_stage: int | None = None,
+    tp_group=None,
 ) -> TransformerBlockSubmodules:
     """The whole decoder block of one pipeline stage: ds_stpar layers plus an SP-capable final norm."""
     layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(
-        layer_specs=[get_gpt_layer_stpar_spec(tp_mode)] * layers, layer_norm=SequenceParallelNorm
+        layer_specs=[get_gpt_layer_stpar_spec(tp_mode, tp_group)] * layers,
+        layer_norm=SequenceParallelNorm,
     )
 
 
