@@ -1,5 +1,7 @@
 """The runner: one mini-batch's gradient is the same under one device, static layouts and
-hot switching (DeepSpeed ZeRO 0/1/2), and a 20-step switching run follows a static run.
+hot switching (DeepSpeed ZeRO 0/1/2; Cannon buckets with a Megatron-mode home, for
+megatron-core GPT and for an HF GPT-2 through HFBucketRunner), and a 20-step switching run
+follows a static run.
 
 Reference: a float64 single-device copy of the same weights (gathered from the home shards
 through the sharding descriptors, independent of the switch), run on every document piece of
@@ -9,6 +11,7 @@ divided by the mini-batch's target count.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
@@ -24,14 +27,16 @@ from tests.distributed import run_workers
 TINY = ModelSpec("tiny", 2, 64, 4, vocab_size=258, max_position_embeddings=256, dropout=0.0)
 EDGES = (64, 128, 256)
 DP2, TP2, RING2 = Layout(dp=2), Layout(tp=2), Layout(tp=2, tp_mode="ring")
+DP4, TP4, CANNON4 = Layout(dp=4), Layout(tp=4), Layout(tp=4, tp_mode="cannon")  # 2x2 torus
 
 
-def _config(layouts, zero=0, mb=2, model=TINY, global_batch=8) -> StparConfig:
+def _config(layouts, zero=0, mb=2, model=TINY, global_batch=8, edges=EDGES) -> StparConfig:
+    edges = edges[: len(layouts)]
     buckets = tuple(
         Bucket(edge, Strategy(layout, micro_batch=mb, zero=zero))
-        for edge, layout in zip(EDGES, layouts)
+        for edge, layout in zip(edges, layouts)
     )
-    return StparConfig(model, TrainSpec(EDGES[-1], global_batch, "fp32"), buckets, gpus_per_node=2)
+    return StparConfig(model, TrainSpec(edges[-1], global_batch, "fp32"), buckets, gpus_per_node=2)
 
 
 def _ds_config(zero: int, lr: float = 1e-3) -> dict:
@@ -111,11 +116,11 @@ def _gather_full(local: dict, runner) -> dict:
     return out
 
 
-def _reference(model: ModelSpec, weights: dict, plan, docs, cache, rank):
-    """float64 loss and full gradients of the mini-batch, one document piece at a time."""
-    from ds_stpar.integrations.megatron import build_gpt
-
-    ref = build_gpt(model, Strategy(Layout()), _self_groups(cache, rank), dtype="fp32").double()
+def _reference(ref: torch.nn.Module, forward, weights: dict, plan, docs):
+    """float64 loss and full gradients of the mini-batch, one document piece at a time:
+    ``ref`` (a single-device model) loaded with ``weights``; ``forward(ref, ids, positions)``
+    -> logits ``[1, s, V]``."""
+    ref = ref.double()
     with torch.no_grad():
         for name, param in ref.named_parameters():
             param.copy_(weights[name])
@@ -129,7 +134,7 @@ def _reference(model: ModelSpec, weights: dict, plan, docs, cache, rank):
                         ids = doc[p.start : p.start + p.length][None]
                         labels = torch.full((1, p.length), -100)
                         labels[0, : p.num_targets] = doc[p.start + 1 : p.start + 1 + p.num_targets]
-                        logits = ref(ids, torch.arange(p.length)[None], None)
+                        logits = forward(ref, ids, torch.arange(p.length)[None])
                         total = total + F.cross_entropy(
                             logits[0], labels[0], ignore_index=-100, reduction="sum"
                         )
@@ -138,10 +143,39 @@ def _reference(model: ModelSpec, weights: dict, plan, docs, cache, rank):
     return loss.item(), {n: p.grad for n, p in ref.named_parameters()}
 
 
+def _megatron_reference(model: ModelSpec, weights: dict, plan, docs, cache, rank):
+    from ds_stpar.integrations.megatron import build_gpt
+
+    ref = build_gpt(model, Strategy(Layout()), _self_groups(cache, rank), dtype="fp32")
+    return _reference(ref, lambda m, ids, pos: m(ids, pos, None), weights, plan, docs)
+
+
 def _home_grads(runner) -> dict:
     from deepspeed.utils import safe_get_full_grad
 
     return {n: safe_get_full_grad(p).detach().float() for n, p in runner.home.params.items()}
+
+
+def _compare(what: str, runner, stats, plan, ref_loss: float, ref_grads: dict) -> None:
+    grads = _gather_full(_home_grads(runner), runner)
+    # fp32 against float64: the loss is a mean of ~1000-2000 token losses from fp32 logits;
+    # measured relative error 2-3e-8, so 1e-6 leaves a 30x margin.
+    assert math.isclose(stats.loss, ref_loss, rel_tol=1e-6), (what, stats.loss, ref_loss)
+    assert grads.keys() == ref_grads.keys(), what
+    for name, ref in ref_grads.items():
+        # Gradients: fp32 sums over ~1000-2000 tokens and 32-256 features; elementwise
+        # relative error is unbounded near zero (cancellation), so the tolerance is scaled by
+        # the tensor's largest entry. Measured worst: 9e-7 of it; the bound
+        # |g - g_ref| <= 1e-5 * max|g_ref| leaves a 10x margin and still catches a token
+        # counted twice or lost (~1/2000 = 5e-4 of the gradient).
+        scale = ref.abs().max().item()
+        torch.testing.assert_close(
+            grads[name].double(), ref, rtol=0, atol=1e-5 * scale, msg=f"{what}: {name}"
+        )
+    # weights: once per non-home layout; gradients: once per non-home bucket
+    home = runner.home_key.layout
+    away = [b.strategy.layout for b in plan.buckets if b.strategy.layout != home]
+    assert stats.switches == len(set(away)) + len(away), (what, stats.switches)
 
 
 def _check_gradients(rank: int, world: int) -> None:
@@ -163,24 +197,8 @@ def _check_gradients(rank: int, world: int) -> None:
         plan = _full_plan(BucketSampler(docs.lengths, cfg.buckets, 2048, seed=2))
         weights = _gather_full({n: p.detach() for n, p in runner.home.params.items()}, runner)
         stats = runner.accumulate(plan)
-        grads = _gather_full(_home_grads(runner), runner)
-        ref_loss, ref_grads = _reference(model, weights, plan, docs, cache, rank)
-        # fp32 against float64: the loss is a mean of ~2000 token losses from fp32 logits;
-        # measured relative error 2-3e-8, so 1e-6 leaves a 30x margin.
-        assert math.isclose(stats.loss, ref_loss, rel_tol=1e-6), (what, stats.loss, ref_loss)
-        for name, ref in ref_grads.items():
-            # Gradients: fp32 sums over ~2000 tokens and 64-256 features; elementwise
-            # relative error is unbounded near zero (cancellation), so the tolerance is
-            # scaled by the tensor's largest entry. Measured worst: 9e-7 of it; the bound
-            # |g - g_ref| <= 1e-5 * max|g_ref| leaves a 10x margin and still catches a token
-            # counted twice or lost (~1/2000 = 5e-4 of the gradient).
-            scale = ref.abs().max().item()
-            torch.testing.assert_close(
-                grads[name].double(), ref, rtol=0, atol=1e-5 * scale, msg=f"{what}: {name}"
-            )
-        # weights: once per non-home layout; gradients: once per non-home bucket
-        away = [b.strategy.layout for b in plan.buckets if b.strategy.layout != cfg.home.layout]
-        assert stats.switches == len(set(away)) + len(away), (what, stats.switches)
+        ref_loss, ref_grads = _megatron_reference(model, weights, plan, docs, cache, rank)
+        _compare(what, runner, stats, plan, ref_loss, ref_grads)
         runner.engine.destroy()
 
 
@@ -229,3 +247,91 @@ def test_gradient_invariance_and_golden_losses():
     under static layouts and switching (ZeRO 0/1/2, Megatron and ring TP), then 20 steps of a
     switching run against a static run."""
     run_workers(_check_all, 2)
+
+
+def _gpt2():
+    """A tiny random GPT-2 over byte ids: fused c_attn (column of partition stride 3), Conv1D
+    weights, learned positions."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=TINY.vocab_size,
+        n_embd=32,
+        n_head=4,
+        n_layer=2,
+        n_positions=128,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def _check_cannon_buckets(rank: int, world: int) -> None:
+    """A Cannon bucket (tp4 as a 2x2 torus) switched from and to a Megatron-mode tp4 home
+    (whose layers carry no Cannon marks): megatron-core GPT, and HF GPT-2 (c_attn: a fused
+    projection, partition stride 3). GPT-2 with a tp=1 layout beside TP ones is refused."""
+    import os
+
+    from ds_stpar.errors import ConfigError
+    from ds_stpar.integrations.deepspeed import build_engine, engine_config, prepare_cpu
+    from ds_stpar.parallel import GroupCache
+    from ds_stpar.seqbucket.sampler import BucketSampler
+    from ds_stpar.seqbucket.tokenize import BYTE_PAD_ID
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    prepare_cpu()  # before transformers imports deepspeed
+    from ds_stpar.integrations.hf_trainer import HFBucketRunner, build_hf_layout_models
+    from ds_stpar.seqbucket.runner import model_key
+
+    docs, cache, cpu = _documents(), GroupCache(), torch.device("cpu")
+    edges = (64, 128)
+
+    what = "cannon4 -> tp4 (megatron home), ZeRO 1"
+    cfg = _config((CANNON4, TP4), 1, edges=edges)
+    model, runner = _setup(cfg, _ds_config(1), cache, docs)
+    assert runner.specs["decoder.layers.0.mlp.linear_fc1.weight"].cannon_blocks
+    plan = _full_plan(BucketSampler(docs.lengths, cfg.buckets, 1024, seed=2))
+    weights = _gather_full({n: p.detach() for n, p in runner.home.params.items()}, runner)
+    stats = runner.accumulate(plan)
+    ref_loss, ref_grads = _megatron_reference(model, weights, plan, docs, cache, rank)
+    _compare(what, runner, stats, plan, ref_loss, ref_grads)
+    runner.engine.destroy()
+
+    # HF: descriptors in the parallel layers' [out, in]; GPT-2's Conv1D stores [in, out]
+    what = "HF GPT-2 cannon4 -> tp4 (megatron home), ZeRO 1"
+    spec = dataclasses.replace(TINY, hidden_size=32, max_position_embeddings=128)
+    base = _gpt2()
+    cfg = _config((CANNON4, DP4), 1, model=spec, edges=edges)
+    models = build_hf_layout_models(copy.deepcopy(base), cfg, cache, cpu, torch.float32)
+    with pytest.raises(ConfigError, match="Conv1D weights"):  # dp4 would transpose them
+        HFBucketRunner(None, models, cfg.home, docs.__getitem__, BYTE_PAD_ID, 2)
+    cfg = _config((CANNON4, TP4), 1, model=spec, edges=edges)
+    models = build_hf_layout_models(copy.deepcopy(base), cfg, cache, cpu, torch.float32)
+    home = models[model_key(cfg.home)]
+    engine = build_engine(home.module, engine_config(_ds_config(1), cfg), home.groups)
+    runner = HFBucketRunner(engine, models, cfg.home, docs.__getitem__, BYTE_PAD_ID, 2)
+    assert runner.specs["transformer.h.0.attn.c_attn.weight"].partition_stride == 3
+    plan = _full_plan(BucketSampler(docs.lengths, cfg.buckets, 1024, seed=2))
+    weights = _gather_full({n: p.detach() for n, p in runner.home.params.items()}, runner)
+    stats = runner.accumulate(plan)
+
+    def forward(module, ids, positions):
+        return module(input_ids=ids, position_ids=positions, use_cache=False).logits
+
+    conv1d = {f"{n}.weight" for n, m in base.named_modules() if type(m).__name__ == "Conv1D"}
+
+    def transpose_conv1d(tensors: dict) -> dict:
+        return {n: t.t() if n in conv1d else t for n, t in tensors.items()}
+
+    ref_loss, ref_grads = _reference(base, forward, transpose_conv1d(weights), plan, docs)
+    _compare(what, runner, stats, plan, ref_loss, transpose_conv1d(ref_grads))
+    runner.engine.destroy()
+
+
+@pytest.mark.dist
+def test_cannon_buckets():
+    """One launch of 4 workers: gradients of one mini-batch with a Cannon bucket and a
+    Megatron-mode tp4 home against the float64 reference (megatron-core GPT; HF GPT-2)."""
+    run_workers(_check_cannon_buckets, 4)

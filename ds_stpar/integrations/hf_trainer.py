@@ -49,9 +49,8 @@ What happens, and where:
 
 Limits: ZeRO 3 is refused (it partitions the home parameters); pipeline parallelism is
 refused; resuming needs the same layout and world; evaluation runs the home model on HF
-batches (sequence lengths a multiple of the home TP size); Cannon layouts of models with fused
-projections (GPT-2's c_attn) are not hot-switched (the switch descriptors order Cannon's
-strided blocks differently from the layers).
+batches (sequence lengths a multiple of the home TP size); models with Conv1D projections
+(GPT-2) cannot switch between a tp=1 layout and TP layouts (tp=1 keeps them transposed).
 """
 
 from __future__ import annotations
@@ -83,16 +82,9 @@ from ds_stpar.parallel import GroupCache
 from ds_stpar.seqbucket.data import Documents
 from ds_stpar.seqbucket.loss import token_loss
 from ds_stpar.seqbucket.packing import collate
-from ds_stpar.seqbucket.runner import (
-    BucketRunner,
-    LayoutModel,
-    _FP32Grads,
-    check_strategies,
-    model_key,
-)
+from ds_stpar.seqbucket.runner import BucketRunner, LayoutModel, check_strategies, model_key
 from ds_stpar.seqbucket.sampler import BucketSampler, MicroBatch, RowCost
 from ds_stpar.seqbucket.shards import ParamSpec
-from ds_stpar.seqbucket.switch import SwitchPlanner
 
 PLAN_KEY = "stpar_plan"  # the key of the plan in each "batch" the Trainer loop sees
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -202,17 +194,17 @@ def build_hf_layout_models(
     return models
 
 
-def hf_param_specs(model: nn.Module, cannon_switching: bool) -> dict[str, ParamSpec]:
+def hf_param_specs(model: nn.Module) -> dict[str, ParamSpec]:
     """Full-tensor descriptors of a model prepared by ``apply_stpar``, by parameter name.
 
-    They follow the model's TP plan, whatever its own TP size: planned weights in the
-    [out, in] orientation of the parallel layers (a Conv1D's is transposed), sharded along
-    dim 0 (column) or 1 (row) with the plan's stride, as 2-D blocks under Cannon; column
-    biases along dim 0 with the same stride (Cannon layers keep Megatron's chunk there);
-    everything else replicated. ``apply_stpar`` completes TP-partial gradients during
-    backward, so no TP copy is a partial sum (``sequence_parallel_grad`` False throughout).
-    ``cannon_switching``: a Cannon layout takes part in switching (refused for strided
-    projections: the descriptors order Cannon's strided blocks unlike the layers).
+    They follow the model's TP plan, whatever its own TP size and mode, so one set describes
+    every layout: planned weights in the [out, in] orientation of the parallel layers (a
+    Conv1D's is transposed), sharded along dim 0 (column) or 1 (row) with the plan's stride,
+    ``cannon_blocks`` (2-D blocks under tp_mode cannon, Megatron's shards otherwise, as
+    ``_HFLinear`` holds them); column biases along dim 0 with the same stride (Megatron's
+    shard in every mode); everything else replicated. ``apply_stpar`` completes TP-partial
+    gradients during backward, so no TP copy is a partial sum (``sequence_parallel_grad``
+    False throughout).
     """
     info = model.stpar
     in_stack = re.compile(rf"^{re.escape(info.layers)}\.(\d+)\.")
@@ -226,11 +218,6 @@ def hf_param_specs(model: nn.Module, cannon_switching: bool) -> dict[str, ParamS
             continue
         kind, stride = info.plan[owner]
         dim = 0 if kind == "column" else 1
-        if cannon_switching and stride > 1:
-            raise ConfigError(
-                f"{owner}: a fused projection (partition stride {stride}) cannot be "
-                "hot-switched to or from a Cannon layout yet; use tp_mode ring or megatron"
-            )
         out_features, in_features = linear_shape(model.get_submodule(owner))
         if leaf == "weight":
             shape = (out_features, in_features)
@@ -242,13 +229,32 @@ def hf_param_specs(model: nn.Module, cannon_switching: bool) -> dict[str, ParamS
     return specs
 
 
+def _check_conv1d_switching(models: Mapping[Strategy, LayoutModel]) -> None:
+    """Refuse a tp=1 layout beside others for models with planned Conv1D weights (GPT-2): at
+    tp=1 ``apply_stpar`` leaves the Conv1D, stored [in, out], while the parallel layers and
+    the descriptors hold [out, in], so switching would transpose them (a square one silently).
+    """
+    from transformers.pytorch_utils import Conv1D
+
+    if len(models) < 2:
+        return
+    for key, model in models.items():
+        module = model.module
+        conv1d = [o for o in module.stpar.plan if isinstance(module.get_submodule(o), Conv1D)]
+        if conv1d:
+            raise ConfigError(
+                f"{key.layout.short()}: a tp=1 layout keeps Conv1D weights ({conv1d[0]}) "
+                "transposed, [in, out]; it cannot be hot-switched with TP layouts: give every "
+                "bucket tp >= 2, or plan one layout"
+            )
+
+
 class HFBucketRunner(BucketRunner):
     """:class:`~ds_stpar.seqbucket.runner.BucketRunner` over HF models sharded by
-    ``apply_stpar``: descriptors from :func:`hf_param_specs`, the HF forward in ``_loss``.
-
-    ``BucketRunner.__init__`` reads Megatron parameter names, so the same attributes are set
-    up here from the HF descriptors; switching, gradient carry, loss accounting and the
-    DeepSpeed boundary handling are the base class's.
+    ``apply_stpar``: descriptors from :func:`hf_param_specs` of the home model, the HF
+    forward in ``_loss``; switching, gradient carry, loss accounting and the DeepSpeed
+    boundary handling are the base class's (no TP all-reduce hooks: no descriptor is
+    ``sequence_parallel_grad``, ``apply_stpar`` sums TP-partial gradients in backward).
     """
 
     def __init__(
@@ -260,35 +266,11 @@ class HFBucketRunner(BucketRunner):
         pad_id: int,
         gpus_per_node: int = 8,
     ) -> None:
-        self.engine = engine
-        self.home_key = model_key(home)
-        self.home = models[self.home_key]
-        self.models = dict(models)
-        self.tokens, self.pad_id = tokens, pad_id
-        self.device = next(self.home.module.parameters()).device
-        cannon_switching = len(self.models) > 1 and any(
-            key.layout.tp_mode == "cannon" and key.layout.tp > 1 for key in self.models
-        )
-        self.specs = hf_param_specs(self.home.module, cannon_switching)
-        for key, model in self.models.items():
-            specs = hf_param_specs(model.module, cannon_switching)
-            if specs.keys() != self.specs.keys() or any(
-                specs[n].shape != s.shape for n, s in self.specs.items()
-            ):
-                raise ConfigError(
-                    f"the {key.layout.short()} model's full parameter shapes differ from the "
-                    "home model's"
-                )
-        layers = [s.layer for s in self.specs.values() if s.layer is not None]
-        self.planner = SwitchPlanner(self.specs, gpus_per_node, 1 + max(layers, default=-1))
-        self.grads = {k: _FP32Grads(m.params) for k, m in self.models.items() if k != self.home_key}
-        self.carry = {
-            n: torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-            for n, p in self.home.params.items()
-        }
-        self.home_dp = self.home.strategy.layout.dp
-        self.sp_params = {}  # none: apply_stpar sums TP-partial gradients in backward
-        self._fresh: set[Strategy] = set()
+        _check_conv1d_switching(models)
+        specs = hf_param_specs(models[model_key(home)].module)
+        # tied_embeddings: read by the Megatron descriptors only (an HF tied pair is one
+        # parameter, replicated)
+        super().__init__(engine, models, home, tokens, pad_id, False, gpus_per_node, specs)
 
     def _loss(self, module, model: LayoutModel, mb: MicroBatch, num_targets: int):
         """Packed rows through the HF forward; sum of token losses / the mini-batch's count."""

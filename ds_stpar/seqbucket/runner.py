@@ -62,14 +62,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ds_stpar.config import ModelSpec, Strategy
+from ds_stpar.config import Layout, ModelSpec, Strategy
 from ds_stpar.errors import ConfigError
 from ds_stpar.layers.cross_entropy import vocab_parallel_cross_entropy
 from ds_stpar.parallel import GroupCache, LayoutGroups
 from ds_stpar.seqbucket.loss import masked_token_loss
 from ds_stpar.seqbucket.packing import PackedBatch, RowPlan, collate
 from ds_stpar.seqbucket.sampler import BucketPlan, MicroBatch, MiniBatchPlan
-from ds_stpar.seqbucket.shards import ParamSpec, Placement, tp_pieces
+from ds_stpar.seqbucket.shards import ParamSpec, Placement, local_shape, tp_pieces
 from ds_stpar.seqbucket.switch import SwitchPlanner, switch, switch_grads
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -100,9 +100,8 @@ def check_strategies(strategies: Sequence[Strategy], edges: Sequence[int]) -> No
             )
 
 
-def param_specs(module: torch.nn.Module, strategy: Strategy, tied: bool) -> dict[str, ParamSpec]:
-    """Full-tensor descriptors of a megatron-core GPTModel's parameters, by global name,
-    read from the parameters' TP attributes (so padding and layer choices are the model's)."""
+def _layout_specs(module: torch.nn.Module, layout: Layout, tied: bool) -> dict[str, ParamSpec]:
+    """Descriptors read from one layout's GPTModel, by global name."""
     specs = {}
     for name, param in module.named_parameters():
         match = _LAYER.match(name)
@@ -116,8 +115,67 @@ def param_specs(module: torch.nn.Module, strategy: Strategy, tied: bool) -> dict
             kw = {"stages": "last"}
         else:
             raise ConfigError(f"{name}: a parameter the switch descriptors do not place")
-        specs[name] = ParamSpec.from_param(param, strategy.layout, **kw)
+        specs[name] = ParamSpec.from_param(param, layout, **kw)
     return specs
+
+
+def param_specs(models: Mapping[Strategy, LayoutModel], tied: bool) -> dict[str, ParamSpec]:
+    """Full-tensor descriptors of megatron-core GPTModels' parameters, by global name, one per
+    parameter whatever the layout, read from the TP attributes of every layout's model (so
+    padding and layer choices are the models').
+
+    Two flags say how a parameter is held under layouts of one kind, and only a model of that
+    kind carries them: ``cannon_blocks`` (a temporal linear's weight: ``stpar_tp_mode``, which
+    Megatron's own layers of tp_mode megatron lack) matters under tp_mode cannon only, and
+    ``sequence_parallel_grad`` (Megatron's ``sequence_parallel``) under sequence parallelism
+    only (``Placement``). Each is therefore True when any model sets it; everything else
+    (full shape, partitioning, placement) must agree across the models."""
+    merged: dict[str, ParamSpec] = {}
+    for key, model in models.items():
+        specs = _layout_specs(model.module, key.layout, tied)
+        if merged and specs.keys() != merged.keys():
+            raise ConfigError(
+                f"the {key.layout.short()} model's parameters differ from the other layouts'"
+            )
+        for name, spec in specs.items():
+            seen = merged.setdefault(name, spec)
+            flags = {
+                "cannon_blocks": spec.cannon_blocks or seen.cannon_blocks,
+                "sequence_parallel_grad": spec.sequence_parallel_grad
+                or seen.sequence_parallel_grad,
+            }
+            spec = dataclasses.replace(spec, **flags)
+            if spec != dataclasses.replace(seen, **flags):
+                raise ConfigError(
+                    f"{name}: the {key.layout.short()} model's full parameter differs from the "
+                    "other layouts' (its shape or sharding); pad the vocabulary to a multiple "
+                    "of every TP degree"
+                )
+            merged[name] = spec
+    return merged
+
+
+def check_local_shapes(
+    models: Mapping[Strategy, LayoutModel], specs: Mapping[str, ParamSpec]
+) -> None:
+    """Every layout's model holds exactly the described parameters, each of the local shape
+    its descriptor gives under that layout (what switching will write into it)."""
+    for key, model in models.items():
+        params = model.params
+        if params.keys() != specs.keys():
+            missing = sorted(params.keys() ^ specs.keys())[:3]
+            raise ConfigError(
+                f"the {key.layout.short()} model's parameters differ from the descriptors' "
+                f"(e.g. {', '.join(missing)})"
+            )
+        for name, param in params.items():
+            want = local_shape(specs[name], key.layout)
+            if tuple(param.shape) != want:
+                raise ConfigError(
+                    f"{name}: the {key.layout.short()} model holds a {tuple(param.shape)} "
+                    f"shard where its descriptor gives {want}; every layout must shard the "
+                    "same full parameter (pad the vocabulary to a multiple of every TP degree)"
+                )
 
 
 @dataclass
@@ -245,10 +303,12 @@ class _FP32Grads:
 def _sequence_parallel_params(
     model: LayoutModel, specs: Mapping[str, ParamSpec]
 ) -> dict[str, torch.nn.Parameter]:
-    """Home parameters whose TP copies hold partial gradients (same region on every TP rank).
+    """Home parameters whose TP copies hold partial gradients (same region on every TP rank:
+    norms and row biases under sequence parallelism).
 
-    Regions shared by only part of the TP group (Cannon's row-replicated column bias) would
-    need sub-groups: refused."""
+    A ``sequence_parallel_grad`` parameter whose region is shared by only part of the TP group
+    (none under the current layers: every TP-split parameter, the Cannon column bias included,
+    is held once per TP group) would need sub-groups: refused."""
     layout = model.strategy.layout
     placement = Placement.of(model.strategy, 0)
     if not placement.sequence_parallel:
@@ -293,7 +353,11 @@ class BucketRunner:
     ``models``: from :func:`build_layout_models`; ``engine``: the DeepSpeed engine wrapping
     ``models[model_key(home)].module``; ``tokens(doc)``: a document's ids (e.g.
     :class:`~ds_stpar.seqbucket.data.Documents`); ``pad_id``: the padding id;
-    ``gpus_per_node``: for the switch planner's node preference.
+    ``tied_embeddings``: the models tie word embeddings and LM head; ``gpus_per_node``: for the
+    switch planner's node preference; ``specs``: the full-tensor descriptors, common to every
+    layout (default :func:`param_specs` of the models; ``tied_embeddings`` is read for those
+    only). Every model must hold each parameter in the local shape its descriptor gives under
+    the model's layout (:func:`check_local_shapes`).
     """
 
     def __init__(
@@ -305,6 +369,7 @@ class BucketRunner:
         pad_id: int,
         tied_embeddings: bool,
         gpus_per_node: int = 8,
+        specs: Mapping[str, ParamSpec] | None = None,
     ) -> None:
         self.engine = engine
         self.home_key = model_key(home)
@@ -312,16 +377,8 @@ class BucketRunner:
         self.models = dict(models)
         self.tokens, self.pad_id = tokens, pad_id
         self.device = next(self.home.module.parameters()).device
-        self.specs = param_specs(self.home.module, self.home_key, tied_embeddings)
-        for key, model in self.models.items():
-            specs = param_specs(model.module, key, tied_embeddings)
-            if specs.keys() != self.specs.keys() or any(
-                specs[n].shape != s.shape for n, s in self.specs.items()
-            ):
-                raise ConfigError(
-                    f"the {key.layout.short()} model's full parameter shapes differ from the "
-                    "home model's; pad the vocabulary to a multiple of every TP degree"
-                )
+        self.specs = dict(specs) if specs is not None else param_specs(models, tied_embeddings)
+        check_local_shapes(self.models, self.specs)
         num_layers = 1 + max(
             (s.layer for s in self.specs.values() if s.layer is not None), default=-1
         )
