@@ -113,7 +113,9 @@ def test_resume_under_other_layouts_world_sizes_and_after_sigkill(tmp_path):
     proc.wait()
     assert latest.exists(), "the killed run never wrote a checkpoint"
     saved = int(latest.read_text().strip().split("-")[1])
-    assert saved in (2, 4) and saved + 2 <= STEPS, saved
+    # any checkpoint that leaves 2 reference steps to compare (a loaded machine may get past
+    # step 2 before the kill lands)
+    assert saved % 2 == 0 and 2 <= saved <= STEPS - 2, saved
     (tmp_path / "resume_steps").write_text(str(saved + 2))
     run_workers(_resume_in_one_process, 1, tmp_path)
     resumed = _rows(tmp_path / "killed")
