@@ -135,6 +135,16 @@ def _inputs(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainSpec
     return model, cluster, train
 
 
+def _add_tp_modes_arg(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--tp-modes",
+        nargs="+",
+        choices=TP_MODES,
+        default=list(TP_MODES),
+        help="tensor-parallel modes to consider (default: all)",
+    )
+
+
 def _add_data_args(parser: argparse.ArgumentParser, required: bool) -> None:
     """The dataset and bucket options of ``buckets`` (``--data`` required) and ``plan``."""
     data = parser.add_argument_group("data and sequence-length buckets")
@@ -263,13 +273,7 @@ def plan_command_parser(subparsers=None) -> argparse.ArgumentParser:
         "--out", metavar="DIR", help="write ds_stpar.json, megatron_args.txt, plan.md here"
     )
     out.add_argument("--top", type=int, default=5, help="layouts to rank (default 5)")
-    out.add_argument(
-        "--tp-modes",
-        nargs="+",
-        choices=TP_MODES,
-        default=list(TP_MODES),
-        help="tensor-parallel modes to consider (default: all)",
-    )
+    _add_tp_modes_arg(out)
     out.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     _add_data_args(parser, required=False)
     parser.set_defaults(func=plan_command)
@@ -585,13 +589,7 @@ def buckets_command_parser(subparsers=None) -> argparse.ArgumentParser:
     _add_input_args(parser)
     _add_data_args(parser, required=True)
     out = parser.add_argument_group("output")
-    out.add_argument(
-        "--tp-modes",
-        nargs="+",
-        choices=TP_MODES,
-        default=list(TP_MODES),
-        help="tensor-parallel modes to consider (default: all)",
-    )
+    _add_tp_modes_arg(out)
     out.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     out.add_argument(
         "--plot",
