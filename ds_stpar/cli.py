@@ -173,6 +173,13 @@ def _add_data_args(parser: argparse.ArgumentParser, required: bool) -> None:
         help=f"at most this many buckets (default {DEFAULT_MAX_BUCKETS})",
     )
     data.add_argument(
+        "--min-buckets",
+        type=int,
+        default=1,
+        help="at least this many buckets, even when the static layout is predicted faster "
+        "(default 1: bucket only where it pays)",
+    )
+    data.add_argument(
         "--min-edge",
         type=int,
         default=DEFAULT_MIN_EDGE,
@@ -206,6 +213,7 @@ def _bucket_plan(args: argparse.Namespace, model: ModelSpec, cluster: ClusterSpe
         cluster,
         train,
         max_buckets=args.max_buckets,
+        min_buckets=args.min_buckets,
         min_edge=args.min_edge,
         tp_modes=tuple(args.tp_modes),
         allow_tp_across_nodes=args.allow_tp_across_nodes or None,
@@ -256,6 +264,54 @@ def _print_breakdown(est) -> None:
 # --------------------------------------------------------------------------------------
 
 
+def _add_schedule_args(parser: argparse.ArgumentParser) -> None:
+    """The learning-rate schedule written into both outputs (``emit.lr_schedule``)."""
+    from ds_stpar.planner import emit
+
+    group = parser.add_argument_group(
+        "learning-rate schedule (linear warm-up from 0, then cosine decay)"
+    )
+    group.add_argument(
+        "--lr",
+        type=float,
+        default=emit.OptimizerSettings.lr,
+        help=f"peak learning rate (default {emit.OptimizerSettings.lr:g})",
+    )
+    group.add_argument(
+        "--min-lr",
+        type=float,
+        help=f"learning rate at the end of the decay (default {emit.MIN_LR_RATIO:g} x --lr)",
+    )
+    group.add_argument(
+        "--train-steps",
+        type=int,
+        help="optimizer steps of the run, the end of the decay (default "
+        f"{emit.TOKENS_PER_PARAMETER} tokens per parameter: ceil({emit.TOKENS_PER_PARAMETER} "
+        "x parameters / tokens per step))",
+    )
+    group.add_argument(
+        "--warmup-steps",
+        type=int,
+        help=f"warm-up steps (default {emit.WARMUP_PERCENT}%% of --train-steps, at least "
+        f"{emit.MIN_WARMUP_STEPS})",
+    )
+
+
+def _optimizer_settings(args: argparse.Namespace, model: ModelSpec, train: TrainSpec):
+    """``emit.OptimizerSettings`` from the schedule flags, checked (a ConfigError names the
+    flag) before any search runs."""
+    from ds_stpar.planner import emit
+
+    settings = emit.OptimizerSettings(
+        lr=args.lr,
+        min_lr=args.min_lr,
+        train_steps=args.train_steps,
+        warmup_steps=args.warmup_steps,
+    )
+    emit.lr_schedule(model, train, settings)
+    return settings
+
+
 def plan_command_parser(subparsers=None) -> argparse.ArgumentParser:
     description = (
         "Search parallel layouts (DP x TP x PP, TP mode, ZeRO, micro-batch, recompute) for a "
@@ -268,6 +324,7 @@ def plan_command_parser(subparsers=None) -> argparse.ArgumentParser:
     else:
         parser = argparse.ArgumentParser("ds-stpar plan", description=description)
     _add_input_args(parser)
+    _add_schedule_args(parser)
     out = parser.add_argument_group("output")
     out.add_argument(
         "--out", metavar="DIR", help="write ds_stpar.json, megatron_args.txt, plan.md here"
@@ -343,6 +400,7 @@ def plan_command(args: argparse.Namespace) -> int:
     model, cluster, train = _inputs(args)
     if args.top < 1:
         raise ConfigError(f"--top must be at least 1, got {args.top}")
+    optimizer = _optimizer_settings(args, model, train)
     if not args.json:
         _print_inputs(model, cluster, train)
     result = search(
@@ -363,6 +421,7 @@ def plan_command(args: argparse.Namespace) -> int:
             model,
             cluster,
             train,
+            optimizer=optimizer,
             tp_modes=args.tp_modes,
             allow_tp_across_nodes=args.allow_tp_across_nodes or None,
             buckets=buckets,

@@ -15,7 +15,11 @@ tokens, targets, step_s, switch_s, optimizer_s, bucket_s (per bucket edge), micr
 layouts, switches, tokens_per_s, tflops (model FLOPs per second per process, the planner's
 convention: 6 x parameters-in-linears x tokens + LM head + full-square attention per document
 piece; pad tokens not counted), mfu (GPU only: against the config's GPU peak; null on CPU)
-and lr.
+and lr: the learning rate of the step's update, read before ``engine.step()``. DeepSpeed
+builds the config's "scheduler" in ``deepspeed.initialize`` and steps it inside
+``engine.step()`` after the update (on the accumulation boundary, which the runner sets on
+the step's last home micro-batch, so once per optimizer step; not after a skipped fp16
+step); reading the LR afterwards would give the next step's.
 """
 
 from __future__ import annotations
@@ -399,9 +403,10 @@ def run(opts: RunOptions) -> list[dict]:
         while step < opts.steps:
             plan = next(plans)
             flops = step_flops(model, plan)
+            lr = float(engine.get_lr()[0])  # what this step's update uses (module docstring)
             stats = runner.step(plan)
             step += 1
-            row = metrics_row(step, stats, flops, world, cfg.gpu, float(engine.get_lr()[0]))
+            row = metrics_row(step, stats, flops, world, cfg.gpu, lr)
             rows.append(row)
             if metrics_path is not None:
                 with open(metrics_path, "a", encoding="utf-8") as handle:

@@ -106,12 +106,13 @@ def megatron_parser() -> argparse.ArgumentParser:
         "pipeline-model-parallel-size context-parallel-size micro-batch-size global-batch-size "
         "recompute-num-layers num-layers-per-virtual-pipeline-stage "
         "num-virtual-stages-per-pipeline-rank decoder-first-pipeline-num-layers "
-        "decoder-last-pipeline-num-layers"
+        "decoder-last-pipeline-num-layers train-iters lr-warmup-iters lr-decay-iters"
     )
     for name in ints.split():
         p.add_argument(f"--{name}", type=int)
     floats = (
-        "lr weight-decay clip-grad adam-beta1 adam-beta2 adam-eps hidden-dropout attention-dropout"
+        "lr min-lr weight-decay clip-grad adam-beta1 adam-beta2 adam-eps hidden-dropout "
+        "attention-dropout"
     )
     for name in floats.split():
         p.add_argument(f"--{name}", type=float)
@@ -132,6 +133,11 @@ def megatron_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute-granularity", choices=["full", "selective"])
     p.add_argument("--recompute-method", choices=["uniform", "block"])
     p.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    p.add_argument(
+        "--lr-decay-style",
+        choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+        default="linear",
+    )
     p.add_argument("--spec", nargs="*")
     p.set_defaults(context_parallel_size=1)
     return p
@@ -294,6 +300,28 @@ def test_rule12_cuda_device_max_connections(emitted):
             assert env["DS_STPAR_TP_MODE"] == strategy.layout.tp_mode
 
 
+def test_learning_rate_schedule_is_the_deepspeed_one(emitted):
+    """Both outputs state one schedule: Megatron-LM's --lr/--min-lr/--lr-warmup-iters/
+    --train-iters (cosine, decayed over --train-iters: no --lr-decay-iters) are the peak, the
+    floor and the step counts of the DeepSpeed file's WarmupCosineLR; and Megatron-LM's own
+    argument checks hold (min_lr <= lr, warm-up shorter than the decay)."""
+    for _, _, ns, (model, cluster, train, strategy) in emitted.values():
+        ds = emit.deepspeed_config(model, cluster, train, strategy)
+        sched = ds["scheduler"]
+        assert sched["type"] == "WarmupCosineLR" and sched["params"]["warmup_type"] == "linear"
+        params = sched["params"]
+        assert ns.lr == ds["optimizer"]["params"]["lr"]
+        assert ns.lr_decay_style == "cosine" and ns.lr_decay_iters is None
+        assert (ns.lr_warmup_iters, ns.train_iters) == (
+            params["warmup_num_steps"],
+            params["total_num_steps"],
+        )
+        # cos_min_ratio is min_lr / lr in binary floating point: one rounding each way
+        assert params["cos_min_ratio"] * ns.lr == pytest.approx(ns.min_lr, rel=1e-15)
+        assert params["warmup_min_ratio"] == 0.0  # Megatron-LM's default --lr-warmup-init
+        assert 0 <= ns.min_lr <= ns.lr and 2 <= ns.lr_warmup_iters < ns.train_iters
+
+
 def test_megatron_core_accepts_the_parsed_arguments(emitted):
     """megatron-core's TransformerConfig re-checks heads/groups vs TP, SP vs TP, recompute
     method/layers, uneven and virtual pipeline stages: an independent referee."""
@@ -397,6 +425,13 @@ def test_deepspeed_batch_algebra_and_sections(name):
     )
     assert cfg["zero_optimization"]["stage"] == strategy.zero
     assert cfg["optimizer"]["params"]["torch_adam"] is True
+    assert set(cfg["scheduler"]["params"]) == {
+        "total_num_steps",
+        "warmup_num_steps",
+        "warmup_min_ratio",
+        "cos_min_ratio",
+        "warmup_type",
+    }
     assert cfg.get("bf16", {}).get("enabled", False) == (train.dtype == "bf16")
     assert cfg.get("fp16", {}).get("enabled", False) == (train.dtype == "fp16")
     assert "auto" not in json.dumps(cfg)
@@ -411,10 +446,14 @@ TINY = ModelSpec("tiny", num_layers=2, hidden_size=16, num_attention_heads=2, vo
 
 
 def _deepspeed_worker(rank, world_size, paths):
-    """Initialise DeepSpeed from each emitted file and train one step of GAS micro-batches."""
+    """Initialise DeepSpeed from each emitted file and train three steps of GAS micro-batches:
+    DeepSpeed builds the file's scheduler and steps it once per optimizer step, and the LR
+    each update uses is the linear warm-up's (hand-computed: DeepSpeed sets step 1's LR from
+    iteration -1, i.e. 0, so step k runs at iteration k - 2, emit's docstring)."""
     import os
 
     import torch
+    from deepspeed.runtime.lr_schedules import WarmupCosineLR
 
     os.environ["LOCAL_RANK"] = str(rank)  # what a launcher sets; DeepSpeed asserts it
     # cpu-environment.md: skip the shared-memory comm op JIT build (~50 s of g++).
@@ -430,23 +469,40 @@ def _deepspeed_worker(rank, world_size, paths):
             torch.nn.Embedding(TINY.vocab_size, TINY.hidden_size),
             torch.nn.Linear(TINY.hidden_size, TINY.vocab_size),
         )
-        engine, optimizer, _, _ = deepspeed.initialize(
+        engine, optimizer, _, scheduler = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=path
         )
         assert engine.zero_optimization_stage() == plan.home.zero
         assert engine.train_batch_size() == plan.train.global_batch
         assert engine.gradient_accumulation_steps() == cfg["gradient_accumulation_steps"]
         assert engine.config["ds_stpar"] == cfg["ds_stpar"]  # the extra section is kept
-        before = [p.detach().float().clone() for p in engine.module.parameters()]
-        for _ in range(engine.gradient_accumulation_steps()):
-            tokens = torch.randint(0, TINY.vocab_size, (engine.train_micro_batch_size_per_gpu(), 8))
-            logits = engine(tokens).float()
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
-            engine.backward(loss)
-            engine.step()
-        assert engine.global_steps == 1  # exactly one optimizer step per GAS micro-batches
-        after = [p.detach().float() for p in engine.module.parameters()]
-        assert any(not torch.equal(a, b) for a, b in zip(before, after))
+        params = cfg["scheduler"]["params"]
+        assert isinstance(scheduler, WarmupCosineLR) and engine.lr_scheduler is scheduler
+        assert (scheduler.total_num_steps, scheduler.warmup_num_steps, scheduler.warmup_type) == (
+            params["total_num_steps"],
+            params["warmup_num_steps"],
+            "linear",
+        )
+        peak, warmup = cfg["optimizer"]["params"]["lr"], params["warmup_num_steps"]
+        for k in (1, 2, 3):
+            lr = engine.get_lr()[0]
+            # exact comparison: with W = 4 the ratios (0, 1/4) are powers of two, so any order
+            # of multiplying and dividing by W rounds to the same float
+            assert lr == (0.0 if k == 1 else peak * (k - 2) / warmup), (k, lr)
+            before = [p.detach().float().clone() for p in engine.module.parameters()]
+            for _ in range(engine.gradient_accumulation_steps()):
+                mb = engine.train_micro_batch_size_per_gpu()
+                tokens = torch.randint(0, TINY.vocab_size, (mb, 8))
+                logits = engine(tokens).float()
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+                engine.backward(loss)
+                engine.step()
+            # one optimizer step (and one scheduler step) per GAS micro-batches
+            assert engine.global_steps == k and scheduler.last_batch_iteration == k - 1
+            after = [p.detach().float() for p in engine.module.parameters()]
+            changed = any(not torch.equal(a, b) for a, b in zip(before, after))
+            # AdamW at LR 0 moves nothing (decay factor 1 - 0 x wd = 1, step size 0)
+            assert changed == (lr > 0), (k, lr)
         engine.destroy()
 
 
@@ -459,10 +515,11 @@ def test_deepspeed_initialize_accepts_emitted_json(tmp_path):
     """
     cluster = ClusterSpec(H100, num_gpus=1)
     train = TrainSpec(seq_len=8, global_batch=4)
+    settings = emit.OptimizerSettings(train_steps=20, warmup_steps=4)
     paths = []
     for zero in (0, 1, 2):
         cfg = emit.deepspeed_config(
-            TINY, cluster, train, Strategy(Layout(), micro_batch=2, zero=zero)
+            TINY, cluster, train, Strategy(Layout(), micro_batch=2, zero=zero), optimizer=settings
         )
         assert cfg["gradient_accumulation_steps"] == 2
         path = tmp_path / f"zero{zero}.json"

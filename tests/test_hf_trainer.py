@@ -90,3 +90,32 @@ def test_bad_setups_are_one_line_errors(results) -> None:
     errors = results[0]["errors"]
     assert "the plan is for 4 processes but 2 were launched" in errors["world"]
     assert 'no "ds_stpar" section' in errors["no_plan"]
+
+
+def test_planned_scheduler_gives_way_to_training_arguments(tmp_path) -> None:
+    # `ds-stpar plan` writes a WarmupCosineLR with its own step counts; transformers refuses a
+    # DeepSpeed value that differs from the TrainingArguments one unless it is "auto", so the
+    # Trainer's max_steps / warmup_steps must win (single process, no launch)
+    from transformers import TrainingArguments
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    from ds_stpar.config import StparConfig
+    from ds_stpar.integrations.deepspeed import engine_config
+    from ds_stpar.integrations.hf_trainer import hf_engine_config
+
+    path = ROOT / "configs" / "gpt3-1.3b-2xh100.json"
+    ds, cfg = json.loads(path.read_text()), StparConfig.from_deepspeed_json(str(path))
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=1000, warmup_steps=10, learning_rate=1e-4
+    )
+
+    def finalized(config: dict) -> dict:
+        hf = HfTrainerDeepSpeedConfig(config)
+        hf.trainer_config_process(args)
+        hf.trainer_config_finalize(args, model=None, num_training_steps=1000)
+        return hf.config["scheduler"]["params"]
+
+    params = finalized(hf_engine_config(ds, cfg))
+    assert (params["total_num_steps"], params["warmup_num_steps"]) == (1000, 10)
+    with pytest.raises(ValueError, match="total_num_steps"):  # what the "auto"s prevent
+        finalized(engine_config(ds, cfg))

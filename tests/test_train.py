@@ -59,6 +59,20 @@ def test_pretrain_through_the_deepspeed_launcher(tmp_path):
         assert set(row["bucket_s"]) <= {"128", "256"} and "256" in row["bucket_s"]
         assert row["layouts"][-1] == "dp1-tp2-pp1"
     assert any(row["switches"] for row in rows), "the short bucket ran in a switched layout"
+    # "lr": the LR of each step's update. tiny-cpu.json warms up linearly from 0 over W steps
+    # (WarmupCosineLR); DeepSpeed sets step 1's LR from iteration -1 (0) and steps the scheduler
+    # after each update, so step k runs at lr (k - 2) / W, computed here by hand. A scheduler
+    # stepped per micro-batch or per bucket (several per step here), or the LR read after the
+    # step, gives other numbers. rel 1e-12: the same product, rounded in another order.
+    cfg = json.loads(TINY.read_text())
+    sched = cfg["scheduler"]["params"]
+    assert cfg["scheduler"]["type"] == "WarmupCosineLR" and sched["warmup_type"] == "linear"
+    peak, warmup = cfg["optimizer"]["params"]["lr"], sched["warmup_num_steps"]
+    assert sched["warmup_min_ratio"] == 0.0 and warmup >= 3  # steps 1-4 are all warm-up
+    assert [r["lr"] for r in rows] == pytest.approx(
+        [0.0] + [peak * (k - 2) / warmup for k in (2, 3, 4)], rel=1e-12, abs=0
+    )
+    assert any(sum(r["micro_batches"].values()) > 1 for r in rows)
     resolved = json.loads((out / "config.json").read_text())
     assert resolved["run"]["world_size"] == 2 and resolved["run"]["dtype"] == "fp32"
     assert resolved["deepspeed"]["gradient_accumulation_steps"] == 1

@@ -89,6 +89,7 @@ from ds_stpar.seqbucket.shards import ParamSpec
 PLAN_KEY = "stpar_plan"  # the key of the plan in each "batch" the Trainer loop sees
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 OPTIMIZER_ARGUMENT_KEYS = ("lr", "betas", "eps", "weight_decay")  # filled from TrainingArguments
+SCHEDULER_ARGUMENT_KEYS = ("total_num_steps", "warmup_num_steps", "warmup_max_lr")  # likewise
 
 
 # --------------------------------------------------------------------------------------
@@ -124,7 +125,10 @@ def hf_engine_config(ds_config: dict, cfg: StparConfig) -> dict:
     ``train_batch_size`` dropped, optimisation values "auto").
 
     ``gradient_clipping`` is always set to "auto": when the key is missing, accelerate inserts
-    its own default of 1.0 instead of ``TrainingArguments.max_grad_norm``.
+    its own default of 1.0 instead of ``TrainingArguments.max_grad_norm``. The scheduler's step
+    counts and LR bounds (``ds-stpar plan`` writes its own) become "auto" too: the Trainer's
+    ``max_steps``/``warmup_steps``/``learning_rate`` decide, and transformers refuses a
+    DeepSpeed value that differs from them.
     """
     out = engine_config(ds_config, cfg)
     out.pop("train_batch_size", None)
@@ -134,6 +138,12 @@ def hf_engine_config(ds_config: dict, cfg: StparConfig) -> dict:
         params = optimizer.setdefault("params", {})
         for key in OPTIMIZER_ARGUMENT_KEYS:
             if key == "lr" or key in params:  # betas/eps only where the optimizer takes them
+                params[key] = "auto"
+    scheduler = out.get("scheduler")
+    if scheduler is not None:  # the planner's step counts give way to max_steps/warmup_steps
+        params = scheduler.setdefault("params", {})
+        for key in SCHEDULER_ARGUMENT_KEYS:
+            if key in params:
                 params[key] = "auto"
     return out
 

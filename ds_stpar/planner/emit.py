@@ -38,6 +38,20 @@ steps; integrations/deepspeed.py hands the engine GAS 1 and ``train_batch_size =
 ``train.global_batch`` in the section is the step's token budget in ``seq_len`` units
 (``tokens_per_step / seq_len``): the sampler cuts steps by tokens.
 
+Learning-rate schedule (:func:`lr_schedule`, planner.md "Learning-rate schedule"): linear
+warm-up from 0 to ``lr`` over ``W`` optimizer steps, then cosine decay to ``min_lr`` at
+``T`` steps, as DeepSpeed's ``WarmupCosineLR`` (``warmup_type`` "linear", the ratio bounds
+``0`` and ``min_lr / lr`` of the optimizer's ``lr``) and Megatron-LM's ``--lr-warmup-iters W
+--lr-decay-style cosine --min-lr --train-iters T``. The two step their schedulers alike (once
+per optimizer step, after it) but start them differently: DeepSpeed's sets the LR of step 1
+from iteration -1 (0), so step ``k`` runs at iteration ``k - 2``; Megatron's starts at 0, so
+step ``k`` runs at ``k - 1``. Step ``k`` then gets ``lr (k - 2) / W`` (DeepSpeed, step 1: 0)
+and ``lr (k - 1) / W`` (Megatron-LM) for ``k <= W + 1``, and from step ``W + 2`` on both give
+``min_lr + (lr - min_lr) (1 + cos(pi min(1, (k - 1 - W) / (T - W)))) / 2``: DeepSpeed's
+warm-up is one step later and never quite reaches ``lr``; the decays are the same.
+``tests/test_lr_schedule.py`` drives both libraries' scheduler classes with the emitted
+values and checks exactly this.
+
 ZeRO in Megatron-LM terms: ``--use-distributed-optimizer`` shards the fp32 master weights
 and Adam moments over DP, which is ZeRO-1. Megatron-LM's DDP keeps full-size gradient
 buffers and full weights, so ZeRO stages 1, 2 and 3 all map to that flag, and a stage-2/3
@@ -48,6 +62,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -80,15 +95,83 @@ ALL = 1 << 30  # a top_k that keeps every fitting strategy
 MEGATRON_SPEC = ("ds_stpar.layers.megatron_spec", "gpt_layer_stpar_spec")
 
 
+# Learning-rate schedule defaults (docs/planner.md, "Learning-rate schedule").
+TOKENS_PER_PARAMETER = 20  # default training length: Chinchilla's compute-optimal tokens
+WARMUP_PERCENT = 1  # default warm-up: 1% of the steps (Megatron-LM's GPT examples, Pythia)
+MIN_WARMUP_STEPS = 2  # DeepSpeed's warm-up schedulers run max(2, warmup_num_steps) steps
+MIN_LR_RATIO = 0.1  # default cosine floor: 10% of the peak (GPT-3, Llama 1 and 2)
+
+
 @dataclass(frozen=True)
 class OptimizerSettings:
-    """Optimizer hyper-parameters copied into both outputs (the planner does not search them)."""
+    """Optimizer and learning-rate schedule settings copied into both outputs (the planner
+    does not search them). ``None`` fields take the defaults :func:`lr_schedule` resolves."""
 
     lr: float = 3e-4
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.1
     gradient_clipping: float = 1.0
+    min_lr: float | None = None
+    train_steps: int | None = None
+    warmup_steps: int | None = None
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """Linear warm-up from 0 to ``lr`` over ``warmup_steps`` optimizer steps, then cosine decay
+    to ``min_lr`` at ``train_steps``; both outputs state it (module docstring)."""
+
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    train_steps: int
+
+
+def default_train_steps(model: ModelSpec, train: TrainSpec) -> int:
+    """Steps of ``TOKENS_PER_PARAMETER`` tokens per parameter (Hoffmann et al. 2022, parameters
+    as ``ModelSpec.num_params`` counts them): ``ceil(20 N / tokens per step)``, at least
+    ``MIN_WARMUP_STEPS + 1`` so that the shortest warm-up leaves a decay. Integer arithmetic:
+    no float rounding can move a ceiling."""
+    steps = -(-TOKENS_PER_PARAMETER * model.num_params() // train.tokens_per_step)
+    return max(MIN_WARMUP_STEPS + 1, steps)
+
+
+def lr_schedule(
+    model: ModelSpec, train: TrainSpec, optimizer: OptimizerSettings | None = None
+) -> LRSchedule:
+    """The schedule of ``optimizer`` with its defaults filled in, checked.
+
+    ``train_steps``: :func:`default_train_steps`; ``warmup_steps``:
+    ``ceil(WARMUP_PERCENT x train_steps / 100)``, at least ``MIN_WARMUP_STEPS`` (DeepSpeed would
+    silently lengthen a 1-step warm-up to 2, Megatron-LM would not); ``min_lr``:
+    ``MIN_LR_RATIO x lr`` to 12 significant digits. Refused, naming the ``ds-stpar plan`` flag: a non-positive or
+    non-finite ``lr``, ``min_lr`` outside ``[0, lr]``, a warm-up shorter than 2 steps or not
+    shorter than the run (Megatron-LM asserts ``lr_warmup_steps < lr_decay_steps``).
+    """
+    opt = optimizer or OptimizerSettings()
+    if not (math.isfinite(opt.lr) and opt.lr > 0):
+        raise ConfigError(f"--lr must be a positive number, got {opt.lr}")
+    # 12 significant digits: 3e-05, not 0.1 x 3e-4 = 2.9999999999999997e-05
+    min_lr = float(f"{MIN_LR_RATIO * opt.lr:.12g}") if opt.min_lr is None else opt.min_lr
+    if not (math.isfinite(min_lr) and 0 <= min_lr <= opt.lr):
+        raise ConfigError(f"--min-lr must be between 0 and --lr {opt.lr}, got {min_lr}")
+    steps = default_train_steps(model, train) if opt.train_steps is None else opt.train_steps
+    if opt.warmup_steps is None:
+        warmup = max(MIN_WARMUP_STEPS, -(-WARMUP_PERCENT * steps // 100))
+    else:
+        warmup = opt.warmup_steps
+    if warmup < MIN_WARMUP_STEPS:
+        raise ConfigError(
+            f"--warmup-steps must be at least {MIN_WARMUP_STEPS} (DeepSpeed's warm-up "
+            f"schedulers run at least {MIN_WARMUP_STEPS} steps), got {warmup}"
+        )
+    if steps <= warmup:
+        raise ConfigError(
+            f"--train-steps {steps} leaves no decay after a {warmup}-step warm-up; use "
+            f"--train-steps > {warmup} or fewer --warmup-steps"
+        )
+    return LRSchedule(lr=opt.lr, min_lr=min_lr, warmup_steps=warmup, train_steps=steps)
 
 
 # --------------------------------------------------------------------------------------
@@ -148,6 +231,21 @@ def _optimizer_section(name: str, opt: OptimizerSettings) -> dict[str, Any]:
     return {"type": "AdamW" if name == "adamw" else "Adam", "params": params}
 
 
+def _scheduler_section(schedule: LRSchedule) -> dict[str, Any]:
+    """DeepSpeed's ``WarmupCosineLR``: its peak is the optimizer's ``lr``, its bounds ratios of
+    it; ``warmup_type`` must be said, DeepSpeed's default warm-up is logarithmic."""
+    return {
+        "type": "WarmupCosineLR",
+        "params": {
+            "total_num_steps": schedule.train_steps,
+            "warmup_num_steps": schedule.warmup_steps,
+            "warmup_min_ratio": 0.0,
+            "cos_min_ratio": schedule.min_lr / schedule.lr,
+            "warmup_type": "linear",
+        },
+    }
+
+
 def deepspeed_config(
     model: ModelSpec,
     cluster: ClusterSpec,
@@ -171,6 +269,7 @@ def deepspeed_config(
     was made with. The ZeRO bucket size is the one the cost model assumed
     (``calibration.dp_bucket_elements``, DeepSpeed's default 5e8 unless calibrated), and
     ``overlap_comm`` follows its ``overlap_grad_reduce`` where DeepSpeed can overlap (ZeRO >= 1).
+    The ``scheduler`` is :func:`lr_schedule` of ``optimizer`` (module docstring).
     """
     strategy = _megatron_sp(strategy)
     buckets = (
@@ -222,6 +321,7 @@ def deepspeed_config(
         },
         **({"zero_allow_untested_optimizer": True} if train.optimizer == "sgd" else {}),
         "optimizer": _optimizer_section(train.optimizer, opt),
+        "scheduler": _scheduler_section(lr_schedule(model, train, opt)),
         "ds_stpar": section.to_dict(),
     }
 
@@ -260,7 +360,9 @@ def megatron_args(
     only with data parallelism, ``--overlap-param-gather`` only next to the distributed
     optimizer and ``--overlap-grad-reduce``. Sequence parallelism is dropped at t = 1.
     Interleaving relies on Megatron's default overlapped P2P (so p > 1 suffices, rule 4).
-    Tokenizer, data and learning-rate schedule flags are the user's.
+    The learning-rate schedule is :func:`lr_schedule`'s, as in the DeepSpeed config (linear
+    warm-up from 0, cosine decay to ``--min-lr`` at ``--train-iters``, which is also
+    Megatron-LM's default ``--lr-decay-iters``). Tokenizer and data flags are the user's.
     """
     strategy = _megatron_sp(strategy)
     _check(model, cluster, train, strategy)
@@ -324,9 +426,14 @@ def megatron_args(
     ):
         if on:
             args.append(flag)
+    schedule = lr_schedule(model, train, opt)
     args += [
         "--optimizer", "sgd" if train.optimizer == "sgd" else "adam",
         "--lr", repr(opt.lr),
+        "--min-lr", repr(schedule.min_lr),
+        "--lr-decay-style", "cosine",
+        "--lr-warmup-iters", str(schedule.warmup_steps),
+        "--train-iters", str(schedule.train_steps),
         "--weight-decay", repr(opt.weight_decay),
         "--clip-grad", repr(opt.gradient_clipping),
     ]  # fmt: skip
@@ -540,11 +647,12 @@ def report_markdown(
     detail: int = 3,
     outputs: Sequence[tuple[str, str]] = (),
     buckets: BucketPlan | None = None,
+    schedule: LRSchedule | None = None,
 ) -> str:
-    """plan.md: inputs, which strategy each output file holds (``outputs``), the
-    sequence-length buckets when planned (``buckets``), ranked layouts, time/memory
-    breakdowns of the best ``detail``, rejected layout families with reasons, and the
-    closest layout when nothing fits."""
+    """plan.md: inputs (with the learning-rate ``schedule`` when given), which strategy each
+    output file holds (``outputs``), the sequence-length buckets when planned (``buckets``),
+    ranked layouts, time/memory breakdowns of the best ``detail``, rejected layout families
+    with reasons, and the closest layout when nothing fits."""
     if isinstance(result, SearchResult):
         top, rejected, closest, considered = (
             result.top,
@@ -555,7 +663,17 @@ def report_markdown(
     else:
         top, rejected, closest, considered = list(result), {}, None, len(result)
     lines = [f"# ds-stpar plan: {model.name} on {cluster.num_gpus} x {cluster.gpu.name}", ""]
-    lines += _md_table(("input", "value"), inputs_summary(model, cluster, train))
+    inputs = inputs_summary(model, cluster, train)
+    if schedule is not None:
+        inputs.append(
+            (
+                "learning rate",
+                f"peak {schedule.lr:g}, linear warm-up over {schedule.warmup_steps:,} steps, "
+                f"cosine decay to {schedule.min_lr:g} at step {schedule.train_steps:,} "
+                f"({schedule.train_steps * train.tokens_per_step:,} tokens)",
+            )
+        )
+    lines += _md_table(("input", "value"), inputs)
     lines += ["", f"{considered} strategies considered, {len(top)} ranked below.", ""]
     if outputs:
         lines += ["## Outputs", "", *_md_table(("file", "strategy"), outputs), ""]
@@ -723,7 +841,15 @@ def plan_files(
         "megatron_args.txt": megatron_args_text(
             model, cluster, train, mega.strategy, optimizer, prediction=mega
         ),
-        "plan.md": report_markdown(result, model, cluster, train, outputs=outputs, buckets=buckets),
+        "plan.md": report_markdown(
+            result,
+            model,
+            cluster,
+            train,
+            outputs=outputs,
+            buckets=buckets,
+            schedule=lr_schedule(model, train, optimizer),
+        ),
     }
 
 
