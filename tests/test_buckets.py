@@ -28,6 +28,7 @@ from ds_stpar.config import (
     TrainSpec,
     load_gpu,
 )
+from ds_stpar.errors import ConfigError, DoesNotFitError
 from ds_stpar.planner import buckets as bk
 from ds_stpar.planner.compute import Speed, attention_core
 from ds_stpar.planner.cost import estimate
@@ -152,6 +153,45 @@ def test_only_full_length_documents_give_the_static_layout():
     best = search(MODEL, H100x2, TRAIN, top_k=1).top[0]
     assert plan.static.strategy == best.strategy
     assert plan.static_step_s == pytest.approx(best.step_time_s, rel=REL)
+
+
+def test_static_baseline_is_what_the_training_loop_runs():
+    # gpt3-2.7b on two 80 GB GPUs at 8192: the search's fastest static layout is ZeRO-3, which
+    # the hot-switching loop refuses (it reads the home parameters); the baseline is the
+    # fastest pp = 1, ZeRO <= 2 strategy of the same search, and the note names the other
+    model, train = ModelSpec.load("gpt3-2.7b"), TrainSpec(8192, 64)
+    plan = bk.plan_buckets(np.full(200, 8192), model, H100x2, train)
+    ranked = search(model, H100x2, train, top_k=bk.ALL).top
+    assert not bk.runnable(ranked[0].strategy)
+    best_runnable = next(e for e in ranked if bk.runnable(e.strategy))
+    assert plan.static.strategy == best_runnable.strategy
+    assert plan.static_step_s == pytest.approx(best_runnable.step_time_s, rel=REL)
+    assert ranked[0].strategy.short() in plan.note
+
+
+def test_min_buckets_gives_the_best_bucketed_plan_even_where_static_wins(skewed_plan):
+    # gpt3-2.7b at 8192 on two GPUs: DP without recompute fits the long rows, so no layout
+    # beats the static one on the short rows by enough
+    model, train = ModelSpec.load("gpt3-2.7b"), TrainSpec(8192, 64)
+    lengths = np.array([8192] * 200 + [SHORT] * 400)
+    free = bk.plan_buckets(lengths, model, H100x2, train, edges=(SHORT,))
+    forced = bk.plan_buckets(lengths, model, H100x2, train, edges=(SHORT,), min_buckets=2)
+    assert len(free.buckets) == 1 and forced.edges == (SHORT, 8192)
+    # the free search buckets whatever gains min_gain per extra bucket, so the forced plan
+    # gains less than that
+    assert forced.speedup < 1.0 + bk.DEFAULT_MIN_GAIN
+    assert forced.static_step_s == free.static_step_s
+    assert "at least 2 buckets" in forced.note
+    parts = sum(b.time_s for b in forced.buckets) + forced.switch_s + forced.update_s
+    assert forced.bucketed_step_s == pytest.approx(parts, rel=REL)
+    # where bucketing pays, asking for it changes nothing
+    again = bk.plan_buckets(skewed_lengths(), MODEL, H100x2, TRAIN, edges=(SHORT,), min_buckets=2)
+    assert [b.strategy for b in again.buckets] == [b.strategy for b in skewed_plan.buckets]
+    assert again.bucketed_step_s == skewed_plan.bucketed_step_s
+    with pytest.raises(ConfigError, match="min-buckets"):
+        bk.plan_buckets(lengths, model, H100x2, train, max_buckets=2, min_buckets=3)
+    with pytest.raises(DoesNotFitError, match="at least 2 buckets"):
+        bk.plan_buckets(np.full(200, SEQ), MODEL, H100x2, TRAIN, min_buckets=2)
 
 
 def test_packing_is_measured_with_best_fit():

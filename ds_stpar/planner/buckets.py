@@ -67,9 +67,12 @@ schedules need CUDA and a Megatron loop), home ZeRO <= 2 (ZeRO-3 shards the para
 the switch reads) and power-of-two micro-batches; non-home buckets hold no optimizer state
 (ZeRO 0).
 
-Static baseline: :func:`~ds_stpar.planner.search.search` at ``s`` over every strategy (any
-pipeline depth, interleaving and ZeRO stage) for the whole step packed best-fit into rows of
-``s``, each fitting candidate timed with its attention ratio (:meth:`_Planner.static`). A
+Static baseline: :func:`~ds_stpar.planner.search.search` at ``s`` for the whole step packed
+best-fit into rows of ``s``, each fitting candidate timed with its attention ratio
+(:meth:`_Planner.static`), among the strategies the training loop runs (:func:`runnable`:
+pp = 1, ZeRO 0-2; the plan is what ``launch/pretrain.py`` executes, so both sides of the
+comparison must run there). When a pipeline or ZeRO-3 layout is predicted faster, the plan's
+``note`` names it (DeepSpeed/Megatron-LM can run it as a static layout). A
 bucketed plan must beat it by ``min_gain`` per bucket beyond the first (default 1%: closer
 predictions are within the cost model's error, and every bucket costs a model, memory and
 a switch); otherwise the plan IS the static layout: one bucket, no switching.
@@ -564,6 +567,13 @@ class _Option:
         return m * (self.t0 + ratio * (self.t1 - self.t0)), m, ratio
 
 
+def runnable(strategy: Strategy) -> bool:
+    """Whether ds_stpar's training loop runs ``strategy``: pp = 1 (Megatron's pipeline
+    schedules need a Megatron loop) and ZeRO 0-2 (ZeRO-3 shards the parameters that the
+    switch reads); the static baseline and every bucket are held to it."""
+    return strategy.layout.pp == 1 and strategy.zero in HOME_ZERO
+
+
 def model_key(strategy: Strategy) -> Strategy:
     """What a layout's model depends on (seqbucket/runner.py builds one model per key)."""
     return dataclasses.replace(strategy, micro_batch=1, zero=0)
@@ -595,9 +605,11 @@ class _Planner:
         calibration: Calibration | None,
         seed: int,
         min_gain: float,
+        min_buckets: int = 1,
     ) -> None:
         self.pieces, self.model, self.cluster, self.train = pieces, model, cluster, train
         self.edges, self.max_buckets, self.seed = tuple(edges), max_buckets, seed
+        self.min_buckets = min_buckets
         self.min_gain = min_gain
         self.tp_modes, self.allow = tuple(tp_modes), allow
         self.cal = calibration or Calibration.load_default(cluster.gpu.name)
@@ -760,12 +772,12 @@ class _Planner:
 
     # ---- everything ------------------------------------------------------------------
     def edge_sets(self) -> list[tuple[int, ...]]:
-        """Increasing tuples of non-home edges (at most max_buckets - 1) whose buckets, the
-        home one included, all hold pieces."""
+        """Increasing tuples of non-home edges (min_buckets - 1 to max_buckets - 1 of them)
+        whose buckets, the home one included, all hold pieces."""
         seq_len = self.train.seq_len
         below = [e for e in self.edges if e < seq_len]
         out = []
-        for k in range(self.max_buckets):
+        for k in range(self.min_buckets - 1, self.max_buckets):
             for combo in itertools.combinations(below, k):
                 bounds = (0, *combo, seq_len)
                 if all(self.pieces.count(a, b)[0] for a, b in zip(bounds, bounds[1:])):
@@ -838,16 +850,28 @@ class _Planner:
             )
         ratio = stats.attention_ratio
         best: StaticPlan | None = None
+        self.unrunnable = None
         for est in found.top:
             s = est.strategy
             m = static_micro_batches(stats.rows, s)
             first = self.evaluator(seq_len, rows, ratio).estimate(s)
             second = self.evaluator(seq_len, 2 * rows, ratio).estimate(s)
             timing = affine_timing(first, second, m)
+            if not runnable(s):
+                if self.unrunnable is None or timing.step_s < self.unrunnable[1]:
+                    self.unrunnable = (s, timing.step_s)
+                continue
             if best is None or (timing.step_s, s.short()) < (best.step_s, best.strategy.short()):
                 best = StaticPlan(
                     s, stats.rows, m, ratio, timing.step_s, timing.update_s, est.peak_memory_gib
                 )
+        if best is None:
+            raise DoesNotFitError(
+                f"only pipeline-parallel or ZeRO-3 layouts of {model.name} fit {cluster.num_gpus}"
+                f" x {cluster.gpu.name} at seq {seq_len} (best: "
+                f"{self.unrunnable[0].short()}), and ds_stpar's training loop runs pp=1 "
+                "and ZeRO 0-2; train with DeepSpeed/Megatron-LM from `ds-stpar plan` without --data"
+            )
         return best
 
     # ---- the result ------------------------------------------------------------------
@@ -862,6 +886,12 @@ class _Planner:
             considered=self.considered,
             pieces=pieces,
         )
+        if self.unrunnable is not None and self.unrunnable[1] < static.step_s:
+            strategy, step_s = self.unrunnable
+            common["note"] = (
+                f"{strategy.short()} is predicted faster as a static layout ({step_s:.3f} s "
+                "per step), but ds_stpar's training loop runs pp=1 and ZeRO 0-2 only; "
+            )
         if found is None:  # the static layout: one bucket, no switch
             stats = self.stats(0, seq_len)
             bucket = PlannedBucket(
@@ -884,8 +914,11 @@ class _Planner:
                 switch_s=0.0,
                 update_s=static.update_s,
                 bucketed_step_s=static.step_s,
-                note="no bucketed plan is faster than the best static layout",
-                **common,
+                **{
+                    **common,
+                    "note": common.get("note", "")
+                    + "no bucketed plan is faster than the best static layout",
+                },
             )
         home, edge_set, away = found
         bounds = (0, *edge_set, seq_len)
@@ -941,13 +974,22 @@ def plan_buckets(
     calibration: Calibration | None = None,
     seed: int = 0,
     min_gain: float = DEFAULT_MIN_GAIN,
+    min_buckets: int = 1,
 ) -> BucketPlan:
     """Bucket edges and strategies for documents of ``document_lengths`` tokens (module
     docstring). ``edges``: candidate edges (default :func:`candidate_edges` from
     ``min_edge``; ``train.seq_len`` is always the last); ``max_buckets``: at most this many
-    buckets. Raises :class:`DoesNotFitError` when no layout fits at ``train.seq_len``."""
+    buckets. ``min_buckets`` > 1 returns the fastest plan with at least that many buckets even
+    when the static layout is predicted faster (what bucketing would cost; the benchmark
+    measures such plans to check the prediction), its ``note`` saying so. Raises
+    :class:`DoesNotFitError` when no layout fits at ``train.seq_len``, or when no plan of
+    ``min_buckets`` buckets fits."""
     if max_buckets < 1:
         raise ConfigError(f"--max-buckets must be at least 1, got {max_buckets}")
+    if not 1 <= min_buckets <= max_buckets:
+        raise ConfigError(
+            f"--min-buckets must be between 1 and --max-buckets ({max_buckets}), got {min_buckets}"
+        )
     if not 0.0 <= min_gain < 1.0:
         raise ConfigError(f"min_gain must be in [0, 1), got {min_gain}")
     unknown = sorted(set(tp_modes) - set(TP_MODES))
@@ -977,8 +1019,25 @@ def plan_buckets(
         calibration,
         seed,
         min_gain,
+        min_buckets,
     )
     static = planner.static()
+    if min_buckets > 1:
+        found = planner.best(math.inf)
+        if found is None:
+            raise DoesNotFitError(
+                f"no plan of at least {min_buckets} buckets fits: every split of the lengths "
+                "leaves a bucket empty or a bucket's layout out of memory; lower --min-buckets "
+                "or --min-edge"
+            )
+        plan = planner.plan(found, static)
+        if plan.speedup >= 1.0:
+            return plan
+        note = (
+            f"at least {min_buckets} buckets asked for: predicted {plan.speedup:.3f}x of the "
+            "best static layout"
+        )
+        return dataclasses.replace(plan, note=plan.note + note)
     found = planner.best(static.step_s)
     plan = planner.plan(found, static)
     if found is not None and plan.bucketed_step_s * planner.weight(found[1]) >= static.step_s:
