@@ -1,117 +1,177 @@
-"""Static layouts vs a bucketed plan with hot switching, through launch/pretrain.py.
+"""The planner's bucketed plans vs its best static layout, predicted and measured, through the
+real training path (``ds-stpar plan --data`` then ``deepspeed launch/pretrain.py``).
 
-    python bench/hotswitch.py --base configs/gpt3-1.3b-2xh100.json --gpus 2 \\
-        --short-edge 512 --global-batch 64 --steps 8 --out DIR
+    python bench/hotswitch.py --model bench/models/llama-3b.json --gpus 4 --seq-len 32768 \\
+        --global-batch-tokens 262144 --steps 5 --tp-modes megatron --edge 4096 --out DIR
+    NCCL_P2P_DISABLE=1 python bench/hotswitch.py ... --label slow --plan-args "--nvlink-gbs 20"
 
-Writes three ds_stpar.json variants of ``--base`` (same model, data, seed and token budget):
-``static-dp`` (every row under the base's DP layout), ``static-tp`` (TP = --gpus, Megatron
-linears, sequence parallel) and ``bucketed`` (rows up to --short-edge under DP, the rest under
-the TP home layout, switching weights in and gradients back every step), runs each with the
-DeepSpeed launcher for --steps steps, and prints a table of the median step time (first step
-excluded), tokens/s, median switch time and its share of the step, read from each run's
-metrics.jsonl. Set NCCL_P2P_DISABLE=1 in the environment for the slow-link variant.
+Plans, each written by ``python -m ds_stpar plan ... --data CORPUS --out DIR/<plan> --json``
+for the same model, corpus, context and tokens per step:
+
+- ``static``: ``--max-buckets 1``, the best static layout (every packed row of ``--seq-len``);
+- ``planned``: the planner's own choice (``--max-buckets`` default); run only when it differs
+  from ``static`` (the planner buckets only where it predicts a gain of 1% per bucket);
+- ``bucketed``: ``--min-buckets 2 --max-buckets 2 --min-edge EDGE``: the best two-bucket plan
+  whose short edge is at least ``--edge``, even when it is predicted slower than static -- it
+  checks the prediction where bucketing does not pay.
+
+Each plan runs ``--steps`` optimizer steps through the DeepSpeed launcher on the same corpus
+(``--stdlib-files`` of the Python standard library, written once as JSON lines; or ``--data``).
+The table compares, per plan, the planner's predicted step and switch time (the switch planner's
+bandwidth bound) with the measured medians of ``metrics.jsonl`` (the first step excluded: it
+warms up the allocator and NCCL), and the speedups over ``static``, predicted and measured.
+``--gpu`` names the planner's GPU preset (default: from the device name). Set
+NCCL_P2P_DISABLE=1 for the slow-link variant and tell the planner the link with
+``--plan-args "--nvlink-gbs G"`` (bench/layers.py's slow-link run measures G).
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
 
 
-def variants(base: dict, gpus: int, short_edge: int, global_batch: int) -> dict[str, dict]:
-    section = base["ds_stpar"]
-    seq_len = section["train"]["seq_len"]
-    dp_strategy = dict(section["buckets"][-1]["strategy"])
-    dp_strategy["layout"] = {"dp": gpus, "tp": 1, "pp": 1, "tp_mode": "megatron"}
-    tp_strategy = dict(dp_strategy, micro_batch=1, sequence_parallel=True)
-    tp_strategy["layout"] = {"dp": 1, "tp": gpus, "pp": 1, "tp_mode": "megatron"}
-    plans = {
-        "static-dp": [{"max_len": seq_len, "strategy": dp_strategy}],
-        "static-tp": [{"max_len": seq_len, "strategy": tp_strategy}],
-        "bucketed": [
-            {"max_len": short_edge, "strategy": dp_strategy},
-            {"max_len": seq_len, "strategy": tp_strategy},
-        ],
+def gpu_preset() -> str:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "h100-80g"  # a CPU smoke run: the planner's numbers mean nothing there
+    return "h200-141g" if "H200" in torch.cuda.get_device_name() else "h100-80g"
+
+
+def plan_commands(args: argparse.Namespace, corpus: str, gpu: str) -> dict[str, list[str]]:
+    base = [sys.executable, "-m", "ds_stpar", "plan", "--model", args.model, "--gpu", gpu]
+    base += ["--gpus", str(args.gpus), "--gpus-per-node", str(args.gpus)]
+    base += ["--seq-len", str(args.seq_len), "--global-batch-tokens", str(args.global_batch_tokens)]
+    base += ["--data", corpus, "--tp-modes", *args.tp_modes, *shlex.split(args.plan_args)]
+    return {
+        "static": base + ["--max-buckets", "1"],
+        "planned": base,
+        "bucketed": base
+        + ["--min-buckets", "2", "--max-buckets", "2", "--min-edge", str(args.edge)],
     }
-    out = {}
-    for name, buckets in plans.items():
-        cfg = copy.deepcopy(base)
-        cfg["ds_stpar"]["buckets"] = buckets
-        cfg["ds_stpar"]["train"]["global_batch"] = global_batch
-        out[name] = cfg
-    return out
+
+
+def make_plan(name: str, cmd: list[str], out: str) -> dict:
+    """Run ``ds-stpar plan`` for one plan; returns its bucket report (``--json``'s buckets)."""
+    folder = os.path.join(out, name)
+    result = subprocess.run(
+        cmd + ["--out", folder, "--json"], capture_output=True, text=True, check=False
+    )
+    if result.returncode:
+        raise SystemExit(f"{name}: {shlex.join(cmd)} failed:\n{result.stderr}")
+    report = json.loads(result.stdout)["buckets"]
+    report["config"] = os.path.join(folder, "ds_stpar.json")
+    return report
+
+
+def layouts(report: dict) -> str:
+    return " / ".join(f"<={b['edge']}: {b['short']}" for b in report["buckets"])
+
+
+def train(name: str, report: dict, args: argparse.Namespace, corpus: str) -> dict | None:
+    run_dir = os.path.join(args.out, name, "run")
+    cmd = ["deepspeed", "--num_gpus", str(args.gpus), "launch/pretrain.py"]
+    cmd += ["--config", report["config"], "--data", corpus, "--steps", str(args.steps)]
+    cmd += ["--out", run_dir]
+    with open(os.path.join(args.out, f"{name}.log"), "w") as log:
+        code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
+    if code:
+        print(f"{name}: exit {code}, see {name}.log", file=sys.stderr, flush=True)
+        return None
+    return summarize(os.path.join(run_dir, "metrics.jsonl"))
 
 
 def summarize(metrics_path: str) -> dict:
-    rows = [json.loads(line) for line in open(metrics_path)][1:]  # first step: warm-up
-    step = statistics.median(r["step_s"] for r in rows)
-    switch = statistics.median(r["switch_s"] for r in rows)
-    tokens = statistics.median(r["tokens"] for r in rows)
+    rows = [json.loads(line) for line in open(metrics_path)]
+    timed = rows[1:] or rows  # the first step warms up the allocator and NCCL
+    step = statistics.median(r["step_s"] for r in timed)
     return {
+        "steps": len(timed),
         "step_s": step,
-        "tokens_per_s": tokens / step,
-        "switch_s": switch,
-        "switch_share": switch / step,
+        "switch_s": statistics.median(r["switch_s"] for r in timed),
+        "tokens_per_s": statistics.median(r["tokens"] for r in timed) / step,
+        "loss_first": rows[0]["loss"],
+        "loss_last": rows[-1]["loss"],
     }
 
 
-def main() -> None:
+def table(label: str, gpu: str, reports: dict, measured: dict) -> str:
+    head = (
+        "| link | plan | buckets (edge: strategy) | step s pred | meas | err | switch s bound "
+        "| meas | tokens/s | speedup pred | meas |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    base_pred = reports["static"]["bucketed_step_s"]
+    base_meas = measured.get("static", {}).get("step_s")
+    for name, rep in reports.items():
+        m = measured.get(name)
+        pred = rep["bucketed_step_s"]
+        if m is None:
+            meas = err = sw = tps = speed = "failed"
+        else:
+            meas = f"{m['step_s']:.3f}"
+            err = f"{pred / m['step_s'] - 1:+.1%}"
+            sw = f"{m['switch_s']:.3f}"
+            tps = f"{m['tokens_per_s']:,.0f}"
+            speed = f"{base_meas / m['step_s']:.3f}x" if base_meas else "n/a"
+        lines.append(
+            f"| {label} | {name} | {layouts(rep)} | {pred:.3f} | {meas} | {err} "
+            f"| {rep['switch_s']:.3f} | {sw} | {tps} | {base_pred / pred:.3f}x | {speed} |"
+        )
+    return f"planner preset {gpu}\n" + "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--base", required=True)
-    parser.add_argument("--gpus", type=int, default=2)
-    parser.add_argument("--short-edge", type=int, default=512)
-    parser.add_argument(
-        "--global-batch", type=int, default=64, help="sequences of seq_len per step"
-    )
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--stdlib-files", type=int, default=1200)
+    parser.add_argument("--model", default="bench/models/llama-3b.json")
+    parser.add_argument("--gpus", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=32768)
+    parser.add_argument("--global-batch-tokens", type=int, default=262144)
+    parser.add_argument("--steps", type=int, default=5, help="optimizer steps per plan")
+    parser.add_argument("--tp-modes", nargs="+", default=["megatron"])
+    parser.add_argument("--edge", type=int, default=4096, help="smallest short-bucket edge")
+    parser.add_argument("--gpu", help="planner GPU preset (default: from the device name)")
+    parser.add_argument("--plan-args", default="", help="more `ds-stpar plan` arguments")
+    parser.add_argument("--data", help="corpus (default: --stdlib-files of the stdlib)")
+    parser.add_argument("--stdlib-files", type=int, default=0, help="0: every file")
+    parser.add_argument("--plans", default="static,planned,bucketed")
     parser.add_argument("--label", default="nvlink")
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    with open(args.base) as handle:
-        base = json.load(handle)
-    results = {}
-    for name, cfg in variants(base, args.gpus, args.short_edge, args.global_batch).items():
-        path = os.path.join(args.out, f"{name}.json")
-        with open(path, "w") as handle:
-            json.dump(cfg, handle, indent=1)
-        run_dir = os.path.join(args.out, name)
-        cmd = ["deepspeed", "--num_gpus", str(args.gpus), "launch/pretrain.py", "--config", path]
-        cmd += [
-            "--steps",
-            str(args.steps),
-            "--stdlib-files",
-            str(args.stdlib_files),
-            "--out",
-            run_dir,
-        ]
-        with open(os.path.join(args.out, f"{name}.log"), "w") as log:
-            code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
-        if code:
-            print(f"{name}: exit {code}, see {name}.log", file=sys.stderr)
-            continue
-        results[name] = summarize(os.path.join(run_dir, "metrics.jsonl"))
-    print(
-        "\n| link | plan | step s | tokens/s | switch s | switch share | vs static-dp |\n|---|---|---|---|---|---|---|"
-    )
-    for name, r in results.items():
-        ratio = (
-            results["static-dp"]["step_s"] / r["step_s"] if "static-dp" in results else float("nan")
-        )
-        print(
-            f"| {args.label} | {name} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['switch_s']:.3f} "
-            f"| {r['switch_share']:.1%} | {ratio:.3f}x |"
-        )
+    corpus = args.data
+    if corpus is None:
+        from ds_stpar.seqbucket.corpus import stdlib_documents, write_jsonl
+
+        corpus = os.path.join(args.out, "corpus.jsonl")
+        write_jsonl(stdlib_documents(args.stdlib_files or None), corpus)
+    gpu = args.gpu or gpu_preset()
+    wanted = args.plans.split(",")
+    reports = {}
+    for name, cmd in plan_commands(args, corpus, gpu).items():
+        if name in wanted:
+            reports[name] = make_plan(name, cmd, args.out)
+    if "planned" in reports and "static" in reports:
+        if reports["planned"]["edges"] == reports["static"]["edges"]:
+            del reports["planned"]  # the planner chose the static layout: nothing new to run
+    measured = {}
+    for name, rep in reports.items():
+        print(f"{name}: {layouts(rep)}, predicted {rep['bucketed_step_s']:.3f} s", flush=True)
+        result = train(name, rep, args, corpus)
+        if result is not None:
+            measured[name] = result
+            print(f"{name}: measured {result}", flush=True)
+    print(table(args.label, gpu, reports, measured))
     with open(os.path.join(args.out, "summary.json"), "w") as handle:
-        json.dump(results, handle, indent=1)
+        json.dump({"args": vars(args), "gpu": gpu, "plans": reports, "measured": measured}, handle)
 
 
 if __name__ == "__main__":

@@ -1,56 +1,77 @@
-"""Tensor-parallel MLP blocks and transformer layers side by side on 2 GPUs (bf16, fwd+bwd).
+"""Tensor-parallel MLP blocks and transformer layers side by side on P GPUs (bf16, fwd+bwd).
 
-Run (the lead sets CUDA_DEVICE_MAX_CONNECTIONS=1, as Megatron's SP backward overlap needs)::
+P is the world size (2, 4, 8, ...): every tensor-parallel variant runs in one TP group of all
+P ranks. Run (the lead sets CUDA_DEVICE_MAX_CONNECTIONS=1, as Megatron's SP backward overlap
+needs)::
 
-    torchrun --nproc_per_node 2 bench/layers.py --label nvlink --out layers-nvlink.json
-    NCCL_P2P_DISABLE=1 torchrun --nproc_per_node 2 bench/layers.py --label slow --out slow.json
-    # subsets: --cases mlp --hidden 8192 --tokens 16K,32K --variants megatron-tp2-sp,ring
+    torchrun --nproc_per_node 4 bench/layers.py --label nvlink --out layers-nvlink.json
+    NCCL_P2P_DISABLE=1 torchrun --nproc_per_node 4 bench/layers.py --label slow --out slow.json
+    # subsets: --cases mlp --hidden 8192 --tokens 16K,32K --variants megatron-sp,ring,cannon
     # CPU smoke run of every code path but async-TP (gloo, tiny shapes; numbers mean nothing):
-    torchrun --nproc_per_node 2 bench/layers.py --cpu --hidden 64 --head-dim 16 --tokens 64 --seq 32
+    torchrun --nproc_per_node 4 bench/layers.py --cpu --hidden 64 --head-dim 16 --tokens 64 --seq 32
 
 Blocks: ``mlp`` is y = fc2(gelu(fc1(x))), fc1 h -> 4h, fc2 4h -> h, no bias, on T tokens.
 ``layer`` is one megatron-core ``TransformerLayer`` from ds_stpar's
 ``get_gpt_layer_stpar_spec(tp_mode)`` (LayerNorm, causal SDPA attention with head dim 128,
 gelu MLP, no bias) on ``T / seq`` sequences of ``seq`` tokens (input [seq, T/seq, h]).
 
-Variants, all in one process group of 2 ranks, each timed on its own:
+Variants (named for any P; before P was general they were ``megatron-tp2-sp`` and
+``megatron-tp2``, the names in older JSON, still accepted by --variants), each timed on its own:
 
-- ``megatron-tp2-sp``: megatron-core ColumnParallelLinear/RowParallelLinear, TP=2,
-  sequence_parallel=True: input [T/2, b, h]; all-gather before fc1, reduce-scatter after fc2,
+- ``megatron-sp`` (the reference): megatron-core ColumnParallelLinear/RowParallelLinear, TP=P,
+  sequence_parallel=True: input [T/P, b, h]; all-gather before fc1, reduce-scatter after fc2,
   the mirror in backward (Megatron overlaps the re-gather and the dX reduce-scatter with GEMMs).
-- ``megatron-tp2``: the same without sequence parallelism: input replicated [T, b, h];
+- ``megatron``: the same without sequence parallelism: input replicated [T, b, h];
   all-reduce after fc2 forward and of fc1's dX backward.
-- ``no-comm``: the per-GPU GEMMs of TP=2 and nothing else -- fc1 h -> 2h and fc2 2h -> h on
-  all T tokens (plain F.linear); for the layer a TP=1 Megatron layer of half width (heads/2,
-  ffn 2h, same QKV/proj shard shapes) on all tokens. The limit perfect overlap could reach.
-- ``async-tp``: MLP only. PyTorch symmetric memory (torch.ops.symm_mem): fused all-gather +
-  GEMM for fc1 forward and fc2's dX, fused GEMM + reduce-scatter for fc2 forward and fc1's dX;
-  fc1 keeps the gathered input for its dW (as the compiled async-TP does). "n/a" when the ops
-  are missing or fail, and for the layer (no layer spec for it).
+- ``no-comm``: the per-GPU GEMMs of TP=P and nothing else -- fc1 h -> 4h/P and fc2 4h/P -> h
+  on all T tokens (plain F.linear); for the layer a TP=1 Megatron layer of 1/P width (heads/P,
+  ffn 4h/P, same QKV/proj shard shapes) on all tokens. The limit perfect overlap could reach.
+- ``async-tp``: MLP only. PyTorch symmetric memory (torch.ops.symm_mem, any group size):
+  fused all-gather + GEMM for fc1 forward and fc2's dX, fused GEMM + reduce-scatter for fc2
+  forward and fc1's dX; fc1 keeps the gathered input for its dW (as the compiled async-TP
+  does). "n/a" when the ops are missing or fail, and for the layer (no layer spec for it).
 - ``ring``: ds_stpar TemporalColumnParallelLinear/TemporalRowParallelLinear, tp_mode="ring".
-- ``one-gpu``: the whole block (full weights) on one GPU; both GPUs run it at once.
+- ``cannon``: the same layers with tp_mode="cannon" (a q x q torus, P = q*q; "n/a (P not a
+  square)" for P = 2, 8). Same boundary layouts as Megatron SP (column [s/P, b, K] ->
+  [s, b, N/P], row [s, b, K/P] -> [s/P, b, N]); the re-layouts to and from the torus blocks
+  are inside the layers. The layer: ``get_gpt_layer_stpar_spec("cannon", tp_group)``.
+- ``one-gpu``: the whole block (full weights) on one GPU; all P GPUs run it at once.
+
+Weights. Every case has one set of *full* weights W [out, in] (deterministic seeds, the same on
+every rank; linear weights N(0, 1/in), see make_full_weights; for the layer the weights of a
+TP=1 layer, whose QKV rows are the concatenation of Megatron's per-rank QKV shards, so W is the
+Megatron-ordered global weight W' of ds_stpar/layers/linear.py). Each variant takes its own
+block of it: Megatron, ring, async-tp and no-comm rank d the slice d of P along the partition
+dim (column: rows, row: columns); Cannon rank (r, c) the block its layer declares in
+``weight.stpar_shard_offsets``, W[NB_c, KB_(r+c)%q] ([out/q, in/q]); one-gpu all of W; norm
+weights are replicated.
 
 Measured per variant: ms/step = median over ``--repeats`` steps (CUDA events around each
 step, after ``--warmup`` steps; inputs and output gradients rotate over ``--pool`` random sets),
-then the max over the 2 ranks. TFLOP/s per GPU counts model FLOPs / GPUs (MLP 48 T h^2; layer
-72 T h^2 + 6 T seq h, causal attention counted half; "one-gpu" divides by 1, all others by 2).
-Peak GiB = torch.cuda.max_memory_allocated during the steps minus the memory allocated before
-the variant's module was built (its input pool excluded): weights, gradients, activations and
-Megatron's gather buffer (reset per variant); NCCL and symmetric-memory buffers are not counted.
-"vs TP2+SP" = Megatron TP2+SP's ms / the variant's ms (> 1: faster).
+then the max over the P ranks. TFLOP/s per GPU counts model FLOPs / GPUs (MLP 48 T h^2; layer
+72 T h^2 + 6 T seq h, causal attention counted half; "one-gpu" divides by 1, all others by P).
+Peak GiB (per GPU, the max over the ranks) = torch.cuda.max_memory_allocated during the steps
+minus the memory allocated before the variant's module was built (its input pool and the full
+weights excluded): weights, gradients, activations and Megatron's gather buffer (reset per
+variant); NCCL and symmetric-memory buffers are not counted.
+"vs megatron-sp" = megatron-sp's ms / the variant's ms (> 1: faster).
 
-Before timing each case, outputs are compared with Megatron TP2+SP on identical weights and
-inputs (ring, async-tp, megatron-tp2): relative norm error of the output (the layer's residual
-branch, output - input), the input gradient and every linear's weight gradient must be < 2e-2.
-Both sides run bf16 GEMMs with fp32 accumulation, so they differ by bf16 rounding (~4e-3 per
-rounding) only; a wrong block or index gives O(1).
+Before timing each case, every variant that computes the global function (megatron, ring,
+cannon, one-gpu, async-tp) is compared with megatron-sp on the same full weights and the same
+global input: relative norm error, over all ranks, of the output (the layer's residual branch,
+output - input) and the input gradient, both in this rank's sequence-parallel chunk, and of
+every linear's weight gradient, each rank's block against the same block of megatron-sp's
+gradient gathered to full-weight coordinates; must be < 2e-2. Both sides run bf16 GEMMs with
+fp32 accumulation, so they differ by bf16 roundings (~4e-3 each: ring and Cannon round their
+partial sums to bf16 between steps) only; a wrong block or index gives O(1).
 
-Ring overlap calibration (MLP cases): (i) one neighbour hop of a [T/2, h] chunk alone (the
-ring's own start_p2p), (ii) the chunk GEMM [T/2, h] x [h, 2h] alone, (iii) one ring step (hop
-started, GEMM, wait). hop hidden = (hop + gemm - step) / hop clipped to [0, 1]: the planner's
-``ring_hop_overlap``. Also the forward of the fc1 column alone: ring, Megatron AG+GEMM, async-TP
-fused AG+GEMM, GEMM only, and the pass-level hidden share of the ring forward. Saved under
-"ring_overlap" in --out; ring_overlap.ring_hop_overlap is the median over cases.
+Ring overlap calibration (MLP cases): (i) one ring hop of a [T/P, h] chunk alone (the ring's own
+start_p2p: send to rank d-1, receive from d+1), (ii) the chunk GEMM [T/P, h] x [h, 4h/P] alone,
+(iii) one ring step (hop started, GEMM, wait). hop hidden = (hop + gemm - step) / hop clipped
+to [0, 1]: the planner's ``ring_hop_overlap``. Also the forward of the fc1 column alone: ring,
+Megatron AG+GEMM, async-TP fused AG+GEMM, GEMM only, and the pass-level hidden share of the
+ring forward. Saved under "ring_overlap" in --out (each case with its "world" P);
+ring_overlap.ring_hop_overlap is the median over cases.
 """
 
 from __future__ import annotations
@@ -73,14 +94,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-TP = 2
-VARIANTS = ("megatron-tp2-sp", "megatron-tp2", "no-comm", "async-tp", "ring", "one-gpu")
-REFERENCE = "megatron-tp2-sp"
-CHECKED = ("megatron-tp2", "ring", "async-tp")  # compared with REFERENCE before timing
+VARIANTS = ("megatron-sp", "megatron", "no-comm", "async-tp", "ring", "cannon", "one-gpu")
+REFERENCE = "megatron-sp"
+# compared with REFERENCE before timing (no-comm computes a different function); async-tp last
+CHECKED = ("megatron", "ring", "cannon", "one-gpu", "async-tp")
+SEQUENCE_PARALLEL = ("megatron-sp", "async-tp", "ring", "cannon")  # input [s/P, b, h]
+ALIASES = {"megatron-tp2-sp": "megatron-sp", "megatron-tp2": "megatron"}  # the P=2 names
 CHECK_TOL = 2e-2
 BLOCKS = ("mlp", "layer")
 DTYPE = torch.bfloat16
-INIT_STD = 0.02  # Megatron's default init_method_normal(0.02)
 
 
 # ----------------------------------------------------------------------------- pure helpers
@@ -103,8 +125,10 @@ def parse_list(text: str, item: Callable[[str], object]) -> list:
     return items
 
 
-def parse_choices(text: str, choices: tuple[str, ...]) -> list[str]:
-    items = parse_list(text, str.strip)
+def parse_choices(
+    text: str, choices: tuple[str, ...], aliases: dict[str, str] | None = None
+) -> list[str]:
+    items = [(aliases or {}).get(item, item) for item in parse_list(text, str.strip)]
     bad = [item for item in items if item not in choices]
     if bad:
         raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {', '.join(choices)}")
@@ -154,9 +178,10 @@ class Case:
 
 
 def make_cases(
-    blocks: list[str], hiddens: list[int], tokens: list[int], seq: int, head_dim: int
+    blocks: list[str], hiddens: list[int], tokens: list[int], seq: int, head_dim: int, tp: int
 ) -> list[Case]:
-    """Every (block, h, T); raises ValueError naming the fix for a shape TP=2 cannot split."""
+    """Every (block, h, T); raises ValueError naming the fix for a shape TP=``tp`` cannot split
+    (Cannon's q x q blocks divide the same dims, q = sqrt(tp))."""
     cases = []
     for block in blocks:
         for hidden in hiddens:
@@ -165,11 +190,11 @@ def make_cases(
                 case = Case(block, hidden, count, s, head_dim)
                 if count % s:
                     raise ValueError(f"layer: tokens {count} must be a multiple of --seq {s}")
-                if s % TP:
-                    raise ValueError(f"{block}: sequence length {s} must be a multiple of TP={TP}")
-                if hidden % (head_dim * TP):
+                if s % tp:
+                    raise ValueError(f"{block}: sequence length {s} must be a multiple of TP={tp}")
+                if hidden % (head_dim * tp):
                     raise ValueError(
-                        f"hidden {hidden} must be a multiple of head_dim x TP = {head_dim * TP}"
+                        f"hidden {hidden} must be a multiple of head_dim x TP = {head_dim * tp}"
                     )
                 cases.append(case)
     return cases
@@ -210,11 +235,12 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
 
 def format_table(rows: list[Row]) -> str:
     lines = [
-        "| link | block | variant | h | tokens | ms/step | TFLOP/s/GPU | peak GiB | vs TP2+SP |",
+        "| link | block | variant | h | tokens | ms/step | TFLOP/s/GPU | peak GiB "
+        f"| vs {REFERENCE} |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        ms = _fmt(r.ms, ".2f") if r.status == "ok" else f"{r.status}: {r.note}"[:60]
+        ms = _fmt(r.ms, ".2f") if r.status == "ok" else f"{r.status} ({r.note})"[:60]
         variant = f"{r.variant} ({r.note})" if r.status == "ok" and r.note else r.variant
         lines.append(
             f"| {r.label} | {r.block} | {variant} | {r.hidden} | {r.tokens} | {ms} "
@@ -267,10 +293,11 @@ def format_checks(checks: list[dict]) -> str:
 
 @dataclass
 class Runtime:
-    """This rank's device, groups and timing settings."""
+    """This rank's device, groups (``tp_group``: all ``size`` = P ranks) and timing settings."""
 
     device: torch.device
     rank: int
+    size: int
     tp_group: dist.ProcessGroup
     solo_group: dist.ProcessGroup
     warmup: int
@@ -281,6 +308,11 @@ class Runtime:
     @property
     def cuda(self) -> bool:
         return self.device.type == "cuda"
+
+    @property
+    def square(self) -> bool:
+        """Whether P = q*q, as Cannon's torus needs."""
+        return math.isqrt(self.size) ** 2 == self.size
 
     def sync(self) -> None:
         if self.cuda:
@@ -300,7 +332,7 @@ class Runtime:
         for i in range(self.warmup):
             step(i)
         self.sync()
-        self.reduce([0.0])  # both ranks start the timed steps together
+        self.reduce([0.0])  # all ranks start the timed steps together
         self.sync()
         if not self.cuda:
             times = []
@@ -370,13 +402,17 @@ class MLPBlock(torch.nn.Module):
 
 
 class PlainLinear(torch.nn.Module):
-    """F.linear with an [out, in] weight and no communication; returns (y, None)."""
+    """F.linear with an [out, in] weight and no communication; returns (y, None).
+    ``partition_dim``: the axis of the full weight its block is cut along (0 for fc1, 1 for fc2)."""
 
-    def __init__(self, out_features: int, in_features: int, device: torch.device):
+    def __init__(
+        self, out_features: int, in_features: int, partition_dim: int, device: torch.device
+    ):
         super().__init__()
         self.weight = torch.nn.Parameter(
             torch.empty(out_features, in_features, device=device, dtype=DTYPE)
         )
+        self.partition_dim = partition_dim
 
     def forward(self, x: Tensor) -> tuple[Tensor, None]:
         return F.linear(x, self.weight), None
@@ -438,6 +474,7 @@ class AsyncTPLinear(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.empty(shape, device=device, dtype=DTYPE))
         self.function = _AsyncTPColumn if column else _AsyncTPRow
+        self.partition_dim = 0 if column else 1
         self.group_name = group_name
 
     def forward(self, x: Tensor) -> tuple[Tensor, None]:
@@ -464,36 +501,42 @@ def symm_mem_group_name(group: dist.ProcessGroup) -> str:
 
 # ----------------------------------------------------------------------------- building
 
+Offsets = tuple[tuple[int, int, int], ...]  # ((axis, index, parts), ...) as linear.py's
+
 
 @dataclass
 class Built:
-    """A variant ready to step: ``forward(x) -> y`` over ``module``'s parameters."""
+    """A variant ready to step: ``forward(x) -> y`` over ``module``'s parameters.
+
+    ``shard`` = (index, parts): the slice of the full weights its Megatron-style linears hold
+    ((rank, P) for the TP variants and no-comm, (0, 1) for one-gpu); Cannon's blocks come from
+    the layers themselves (see :func:`weight_offsets`)."""
 
     module: torch.nn.Module
     forward: Callable[[Tensor], Tensor]
-    sp_input: bool  # input [s/2, b, h] (sequence parallel) or the full [s, b, h]
+    sp_input: bool  # input [s/P, b, h] (sequence parallel) or the full [s, b, h]
+    shard: tuple[int, int]
 
 
-def _config(case: Case, tp: int, tp_mode: str, sp: bool, init: bool, half_width: bool = False):
+def _config(case: Case, tp: int, tp_mode: str, sp: bool, parts: int = 1):
     """TransformerConfig for ``case`` through the project's builder (dropout off, no bias,
-    LayerNorm, gelu). ``half_width``: a TP=1 model with one TP=2 rank's shapes."""
+    LayerNorm, gelu, no initialisation: the weights are loaded). ``parts`` > 1: a TP=1 model
+    with one TP=``parts`` rank's shapes (heads / parts, ffn 4h / parts)."""
     from ds_stpar.config import Layout, ModelSpec, Strategy
     from ds_stpar.integrations.megatron import transformer_config
 
-    heads = case.heads // TP if half_width else case.heads
-    ffn = 4 * case.hidden // TP if half_width else 4 * case.hidden
     model = ModelSpec(
         f"bench-{case.hidden}",
         1,
         case.hidden,
-        heads,
+        case.heads // parts,
         vocab_size=1024,
-        ffn_hidden_size=ffn,
+        ffn_hidden_size=4 * case.hidden // parts,
         kv_channels=case.head_dim,
         add_bias_linear=False,
     )
     strategy = Strategy(Layout(tp=tp, tp_mode=tp_mode), sequence_parallel=sp)
-    return transformer_config(model, strategy, "bf16", perform_initialization=init)
+    return transformer_config(model, strategy, "bf16", perform_initialization=False)
 
 
 def _pg_collection(tp_group: dist.ProcessGroup):
@@ -504,22 +547,25 @@ def _pg_collection(tp_group: dist.ProcessGroup):
     return pgs
 
 
+def _tp_mode(variant: str) -> str:
+    return variant if variant in ("ring", "cannon") else "megatron"
+
+
 def build_mlp(variant: str, case: Case, rt: Runtime, async_name: str | None) -> Built:
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     from ds_stpar.layers import TemporalColumnParallelLinear, TemporalRowParallelLinear
 
-    h, group = case.hidden, rt.tp_group
-    if variant in ("megatron-tp2-sp", "megatron-tp2", "ring"):
-        sp = variant != "megatron-tp2"
-        mode = "ring" if variant == "ring" else "megatron"
-        cfg = _config(case, TP, mode, sp, init=False)
+    h, group, size, tp_shard = case.hidden, rt.tp_group, rt.size, (rt.rank, rt.size)
+    if variant in ("megatron-sp", "megatron", "ring", "cannon"):
+        sp, mode = variant != "megatron", _tp_mode(variant)
+        cfg = _config(case, size, mode, sp)
         column, row = (
             (TemporalColumnParallelLinear, TemporalRowParallelLinear)
-            if variant == "ring"
+            if mode != "megatron"
             else (ColumnParallelLinear, RowParallelLinear)
         )
-        extra = {"tp_mode": "ring"} if variant == "ring" else {}
+        extra = {"tp_mode": mode} if mode != "megatron" else {}
         fc1 = column(
             h,
             4 * h,
@@ -542,20 +588,21 @@ def build_mlp(variant: str, case: Case, rt: Runtime, async_name: str | None) -> 
             **extra,
         )
         block = MLPBlock(fc1, fc2).to(rt.device)
-        return Built(block, block, sp)
+        return Built(block, block, sp, tp_shard)
     if variant == "async-tp":
         if async_name is None:
             raise RuntimeError("symmetric memory unavailable")
-        fc1 = AsyncTPLinear((4 * h // TP, h), True, async_name, rt.device)
-        fc2 = AsyncTPLinear((h, 4 * h // TP), False, async_name, rt.device)
+        fc1 = AsyncTPLinear((4 * h // size, h), True, async_name, rt.device)
+        fc2 = AsyncTPLinear((h, 4 * h // size), False, async_name, rt.device)
         block = MLPBlock(fc1, fc2)
-        return Built(block, block, True)
-    width = 4 * h // TP if variant == "no-comm" else 4 * h
-    block = MLPBlock(PlainLinear(width, h, rt.device), PlainLinear(h, width, rt.device))
-    return Built(block, block, False)
+        return Built(block, block, True, tp_shard)
+    shard = tp_shard if variant == "no-comm" else (0, 1)
+    width = 4 * h // shard[1]
+    block = MLPBlock(PlainLinear(width, h, 0, rt.device), PlainLinear(h, width, 1, rt.device))
+    return Built(block, block, False, shard)
 
 
-def build_layer(variant: str, case: Case, rt: Runtime, init: bool = False) -> Built:
+def build_layer(variant: str, case: Case, rt: Runtime) -> Built:
     from megatron.core.transformer.spec_utils import build_module
 
     from ds_stpar.layers.megatron_spec import get_gpt_layer_stpar_spec
@@ -563,20 +610,20 @@ def build_layer(variant: str, case: Case, rt: Runtime, init: bool = False) -> Bu
     if variant == "async-tp":
         raise NotImplementedError("async-tp is benchmarked on the MLP block only")
     if variant in ("no-comm", "one-gpu"):
-        cfg = _config(case, 1, "megatron", False, init, half_width=variant == "no-comm")
+        shard = (rt.rank, rt.size) if variant == "no-comm" else (0, 1)
+        cfg = _config(case, 1, "megatron", False, parts=shard[1])
         mode, group, sp = "megatron", rt.solo_group, False
     else:
-        mode = "ring" if variant == "ring" else "megatron"
-        sp = variant != "megatron-tp2"
-        cfg = _config(case, TP, mode, sp, init)
+        mode, sp, shard = _tp_mode(variant), variant != "megatron", (rt.rank, rt.size)
+        cfg = _config(case, rt.size, mode, sp)
         group = rt.tp_group
     layer = build_module(
-        get_gpt_layer_stpar_spec(mode),
+        get_gpt_layer_stpar_spec(mode, group),
         config=cfg,
         layer_number=1,
         pg_collection=_pg_collection(group),
     ).to(rt.device)
-    return Built(layer, lambda x: layer(x, attention_mask=None)[0], sp)
+    return Built(layer, lambda x: layer(x, attention_mask=None)[0], sp, shard)
 
 
 def build(variant: str, case: Case, rt: Runtime, async_name: str | None) -> Built:
@@ -585,28 +632,72 @@ def build(variant: str, case: Case, rt: Runtime, async_name: str | None) -> Buil
     return build_layer(variant, case, rt)
 
 
-def make_source(case: Case, rt: Runtime, full: bool) -> dict[str, Tensor]:
-    """This rank's weights for a case: TP=2 shards (shared by every variant but one-gpu) or,
-    with ``full``, the unsharded weights of the one-GPU block."""
-    seed = 10_000 * (case.hidden // 64) + case.tokens // 64 + 97 * rt.rank + (7 if full else 0)
+def make_full_weights(case: Case, rt: Runtime) -> dict[str, Tensor]:
+    """The case's full weights, the same on every rank (seeded by the case alone): linear
+    weights [out, in] N(0, 1/in), norm weights 1 + N(0, 0.01), norm biases N(0, 0.01) (not 1
+    and 0, so a misplaced norm parameter shows in the checks).
+
+    Why 1/in and not Megatron's 0.02: activations then stay O(1) through every linear at any
+    h, so the layer's residual branch (output - input, what the check compares) is not small
+    next to the input. With 0.02 at h=64 the branch is ~3% of the input and the bf16 rounding
+    of output = input + branch alone differs by ~2e-2 between two correct variants; with 1/in
+    it costs ~5e-3. GEMM timings do not depend on the values."""
+    seed = 10_000 * (case.hidden // 64) + case.tokens // 64
     if case.block == "mlp":
-        width = 4 * case.hidden // (1 if full else TP)
+        h, width = case.hidden, 4 * case.hidden
         return {
-            "fc1.weight": rt.randn((width, case.hidden), seed, INIT_STD),
-            "fc2.weight": rt.randn((case.hidden, width), seed + 1, INIT_STD),
+            "fc1.weight": rt.randn((width, h), seed, h**-0.5),
+            "fc2.weight": rt.randn((h, width), seed + 1, width**-0.5),
         }
-    torch.manual_seed(seed)
-    built = build_layer("one-gpu" if full else REFERENCE, case, rt, init=True)
-    return {name: p.detach().clone() for name, p in built.module.named_parameters()}
+    shapes_ = {n: p.shape for n, p in build_layer("one-gpu", case, rt).module.named_parameters()}
+    weights = {}
+    for i, (name, shape) in enumerate(shapes_.items()):
+        if len(shape) == 2:
+            weights[name] = rt.randn(tuple(shape), seed + i, shape[1] ** -0.5)
+        else:
+            weights[name] = rt.randn(tuple(shape), seed + i, 0.1)
+            if name.endswith("weight"):
+                weights[name] += 1.0
+    return weights
 
 
-def load(built: Built, source: dict[str, Tensor]) -> None:
+def weight_offsets(built: Built) -> dict[str, Offsets]:
+    """Where each sharded weight of ``built`` sits in the full weight: a temporal layer's own
+    ``stpar_shard_offsets`` (ring: Megatron's slice, Cannon: its q x q block), else slice
+    ``built.shard`` along the partition dim of a Megatron / plain / async-TP linear. Weights
+    not listed (norms) are replicated."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    index, parts = built.shard
+    found: dict[str, Offsets] = {}
+    for prefix, module in built.module.named_modules():
+        weight = getattr(module, "weight", None)
+        name = f"{prefix}.weight" if prefix else "weight"
+        if not isinstance(weight, torch.nn.Parameter):
+            continue
+        if hasattr(weight, "stpar_shard_offsets"):
+            found[name] = tuple(weight.stpar_shard_offsets)
+        elif isinstance(module, ColumnParallelLinear):
+            found[name] = ((0, index, parts),)
+        elif isinstance(module, RowParallelLinear):
+            found[name] = ((1, index, parts),)
+        elif isinstance(module, (PlainLinear, AsyncTPLinear)):
+            found[name] = ((module.partition_dim, index, parts),)
+    return found
+
+
+def load(built: Built, full: dict[str, Tensor]) -> None:
+    """Copy each parameter's block of the full weights into ``built``."""
+    from ds_stpar.layers.linear import take_block
+
+    offsets = weight_offsets(built)
     with torch.no_grad():
         for name, param in built.module.named_parameters():
-            if name not in source or source[name].shape != param.shape:
-                got = tuple(source[name].shape) if name in source else None
+            block = take_block(full[name], offsets.get(name, ())) if name in full else None
+            if block is None or block.shape != param.shape:
+                got = tuple(block.shape) if block is not None else None
                 raise RuntimeError(f"no source weight for {name} {tuple(param.shape)} (got {got})")
-            param.copy_(source[name])
+            param.copy_(block)
 
 
 def run_step(built: Built, x: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
@@ -619,37 +710,67 @@ def run_step(built: Built, x: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
     return x, out
 
 
-def shapes(case: Case, sp: bool) -> tuple[int, int, int]:
-    return (case.seq // TP if sp else case.seq, case.batch, case.hidden)
+def shapes(case: Case, sp: bool, size: int) -> tuple[int, int, int]:
+    return (case.seq // size if sp else case.seq, case.batch, case.hidden)
 
 
 # ----------------------------------------------------------------------------- checking
 
 
-def check_results(case: Case, built: Built, x_full: Tensor, dy_full: Tensor, rt: Runtime):
-    """Output (the residual branch for the layer), input grad and linear weight grads, in
-    the sequence-parallel layout (this rank's token chunk) whatever the variant's input."""
+def check_results(
+    case: Case, built: Built, x_full: Tensor, dy_full: Tensor, rt: Runtime
+) -> dict[str, tuple[Tensor, Offsets]]:
+    """name -> (tensor, its block in global coordinates): output (the residual branch for the
+    layer) and input grad as this rank's sequence-parallel chunk whatever the variant's input
+    (offsets () = as is), and every linear weight grad with its block of the full weight."""
     x, dy = x_full, dy_full
     if built.sp_input:
-        x, dy = x_full.chunk(TP, dim=0)[rt.rank], dy_full.chunk(TP, dim=0)[rt.rank]
+        x, dy = x_full.chunk(rt.size, dim=0)[rt.rank], dy_full.chunk(rt.size, dim=0)[rt.rank]
     leaf, out = run_step(built, x, dy)
     branch = out.detach().float()
     if case.block == "layer":
         branch = branch - leaf.detach().float()
-    results = {"output": branch, "input grad": leaf.grad}
+    acts = {"output": branch, "input grad": leaf.grad}
     if not built.sp_input:
-        results = {k: v.chunk(TP, dim=0)[rt.rank] for k, v in results.items()}
+        acts = {k: v.chunk(rt.size, dim=0)[rt.rank] for k, v in acts.items()}
+    results = {k: (v, ()) for k, v in acts.items()}
+    offsets = weight_offsets(built)
     for name, param in built.module.named_parameters():
         if "layernorm" not in name:  # SP norms hold partial grads, non-SP full ones
-            results[f"grad {name}"] = param.grad
+            results[f"grad {name}"] = (param.grad, offsets.get(name, ()))
     return results
 
 
-def squared_norms(ref: dict[str, Tensor], got: dict[str, Tensor]) -> list[float]:
-    """[||got - ref||^2, ||ref||^2] per tensor (sorted names) of this rank's shards."""
+def gather_reference(got: dict[str, tuple[Tensor, Offsets]], rt: Runtime) -> dict[str, Tensor]:
+    """The reference's results with its weight-grad slices gathered to full-weight
+    coordinates (Megatron: slice ``rank`` of P along one axis); activations stay this rank's
+    chunk."""
+    ref = {}
+    for name in sorted(got):
+        tensor, offsets = got[name]
+        if offsets:
+            ((axis, index, parts),) = offsets
+            if (index, parts) != (rt.rank, rt.size):
+                raise RuntimeError(f"reference {name}: block {offsets} is not this rank's slice")
+            pieces = [torch.empty_like(tensor) for _ in range(parts)]
+            dist.all_gather(pieces, tensor.contiguous(), group=rt.tp_group)
+            tensor = torch.cat(pieces, dim=axis)
+        ref[name] = tensor
+    return ref
+
+
+def squared_norms(ref: dict[str, Tensor], got: dict[str, tuple[Tensor, Offsets]]) -> list[float]:
+    """[||got - ref||^2, ||ref||^2] per tensor (sorted names): each of this rank's blocks
+    against the same block of the reference. Summed over the ranks the blocks of a sharded
+    variant tile the full tensor; one-gpu counts it P times on both sides, so the ratio holds."""
+    from ds_stpar.layers.linear import take_block
+
     sums = []
     for name in sorted(ref):
-        a, b = got[name].float(), ref[name].float()
+        tensor, offsets = got[name]
+        a, b = tensor.float(), take_block(ref[name], offsets).float()
+        if a.shape != b.shape:
+            raise RuntimeError(f"{name}: shape {tuple(a.shape)} != reference {tuple(b.shape)}")
         sums += [(a - b).pow(2).sum().item(), b.pow(2).sum().item()]
     return sums
 
@@ -662,16 +783,28 @@ def relative_errors(names: list[str], sums: list[float]) -> dict[str, float]:
     }
 
 
-def run_checks(case, rt, variants, async_name, source) -> tuple[list[dict], set[str]]:
+def not_applicable(variant: str, case: Case, rt: Runtime, async_name: str | None) -> str | None:
+    """Why ``variant`` cannot run on this case / group, or None."""
+    if variant == "async-tp" and case.block == "layer":
+        return "MLP only"
+    if variant == "async-tp" and async_name is None:
+        return "unavailable"
+    if variant == "cannon" and not rt.square:
+        return "P not a square"
+    return None
+
+
+def run_checks(case, rt, variants, async_name, full) -> tuple[list[dict], set[str]]:
     """Compare every checked variant with REFERENCE; returns (check rows, failed variants)."""
-    full = (case.seq, case.batch, case.hidden)
-    x_full = rt.randn(full, 1)  # same seed on both ranks: the same global input
-    dy_full = rt.randn(full, 2)
-    checks, failed, built, error = [], set(), None, "failed on the other rank"
+    shape = (case.seq, case.batch, case.hidden)
+    x_full = rt.randn(shape, 1)  # same seed on every rank: the same global input
+    dy_full = rt.randn(shape, 2)
+    checks, failed, built, error = [], set(), None, "failed on another rank"
+    got = {}
     try:
         built = build(REFERENCE, case, rt, async_name)
-        load(built, source)
-        ref = check_results(case, built, x_full, dy_full, rt)
+        load(built, full)
+        got = check_results(case, built, x_full, dy_full, rt)
         ok = True
     except Exception as err:
         traceback.print_exc()
@@ -681,15 +814,19 @@ def run_checks(case, rt, variants, async_name, source) -> tuple[list[dict], set[
         row = {"label": rt.label, "block": case.block, "hidden": case.hidden}
         row.update(tokens=case.tokens, variant=REFERENCE, result="ERROR", error=error)
         return [row], set()
+    ref, got = gather_reference(got, rt), None
     for variant in [v for v in CHECKED if v in variants]:
-        if variant == "async-tp" and (case.block == "layer" or async_name is None):
-            continue
         row = {"label": rt.label, "block": case.block, "hidden": case.hidden}
         row.update(tokens=case.tokens, variant=variant)
+        reason = not_applicable(variant, case, rt, async_name)
+        if reason == "P not a square":
+            checks.append({**row, "result": f"n/a ({reason})"})
+        if reason is not None:
+            continue
         sums, built = [], None
         try:
             built = build(variant, case, rt, async_name)
-            load(built, source)
+            load(built, full)
             sums = squared_norms(ref, check_results(case, built, x_full, dy_full, rt))
             ok = True
         except Exception as err:
@@ -698,7 +835,7 @@ def run_checks(case, rt, variants, async_name, source) -> tuple[list[dict], set[
             ok = False
         built = None
         rt.free()
-        if not rt.all_ok(ok):  # collectives only after both ranks agree
+        if not rt.all_ok(ok):  # collectives only after all ranks agree
             row["result"] = "ERROR"
             failed.add(variant)
         else:
@@ -715,13 +852,13 @@ def run_checks(case, rt, variants, async_name, source) -> tuple[list[dict], set[
 # ----------------------------------------------------------------------------- timing
 
 
-def time_variant(variant: str, case: Case, rt: Runtime, async_name, source) -> Row:
-    gpus = 1 if variant == "one-gpu" else TP
+def time_variant(variant: str, case: Case, rt: Runtime, async_name, full) -> Row:
+    gpus = 1 if variant == "one-gpu" else rt.size
     row = Row(rt.label, case.block, variant, case.hidden, case.tokens, case.seq, gpus)
     ok, note = True, ""
     try:
-        sp = variant in ("megatron-tp2-sp", "ring", "async-tp")
-        shape = shapes(case, sp)
+        sp = variant in SEQUENCE_PARALLEL
+        shape = shapes(case, sp, rt.size)
         seed = 1000 * (rt.rank + 1)
         xs = [rt.randn(shape, seed + i) for i in range(rt.pool)]
         dys = [rt.randn(shape, seed + 100 + i) for i in range(rt.pool)]
@@ -732,7 +869,7 @@ def time_variant(variant: str, case: Case, rt: Runtime, async_name, source) -> R
         built = build(variant, case, rt, async_name)
         if built.sp_input != sp:
             raise RuntimeError(f"{variant}: input layout mismatch (sequence parallel {sp})")
-        load(built, source)
+        load(built, full)
         rt.reset_peak()
         times = rt.time_ms(lambda i: run_step(built, xs[i % rt.pool], dys[i % rt.pool]))
         rt.sync()
@@ -743,14 +880,14 @@ def time_variant(variant: str, case: Case, rt: Runtime, async_name, source) -> R
     built = xs = dys = None
     rt.free()
     if not rt.all_ok(ok):
-        row.status, row.note = "failed", note or "failed on the other rank"
+        row.status, row.note = "failed", note or "failed on another rank"
         return row
     median, peak_max = rt.reduce([statistics.median(times), peak / 2**30])
     row.ms, row.peak_gib, row.times_ms = median, peak_max if rt.cuda else None, times
     return row
 
 
-def ring_overlap(case: Case, rt: Runtime, async_name: str | None, source) -> dict:
+def ring_overlap(case: Case, rt: Runtime, async_name: str | None, full) -> dict:
     """Hop / chunk GEMM / ring step of the fc1 column forward, and the whole column forward
     of ring, Megatron (AG + GEMM), async-TP (fused) and the GEMM alone."""
     from megatron.core.tensor_parallel import ColumnParallelLinear
@@ -758,16 +895,18 @@ def ring_overlap(case: Case, rt: Runtime, async_name: str | None, source) -> dic
     from ds_stpar.layers import TemporalColumnParallelLinear
     from ds_stpar.layers.comm import Message, start_p2p
 
-    h, rows, group = case.hidden, case.tokens // TP, rt.tp_group
-    weight = source["fc1.weight"]  # [4h/2, h]
+    size, h, group = rt.size, case.hidden, rt.tp_group
+    rows = case.tokens // size
+    weight = full["fc1.weight"].chunk(size, dim=0)[rt.rank].contiguous()  # [4h/P, h]
     xs = [rt.randn((rows, h), 5000 + 10 * rt.rank + i) for i in range(rt.pool)]
     recv = torch.empty_like(xs[0])
     out = torch.empty(rows, weight.shape[0], device=rt.device, dtype=DTYPE)
-    peer = (rt.rank + 1) % TP  # with P=2 the left and the right neighbour are the same rank
+    # as the ring's chunks travel: to d-1, from d+1 (with P=2 both are the other rank)
+    left, right = (rt.rank - 1) % size, (rt.rank + 1) % size
     repeats = max(2 * rt.repeats, 20)  # forward-only ops of a few ms: more repeats
 
     def hop(i: int):
-        return start_p2p([Message(xs[i % rt.pool], peer)], [Message(recv, peer)], group)
+        return start_p2p([Message(xs[i % rt.pool], left)], [Message(recv, right)], group)
 
     def gemm(i: int) -> None:
         torch.mm(xs[i % rt.pool], weight.t(), out=out)
@@ -777,16 +916,16 @@ def ring_overlap(case: Case, rt: Runtime, async_name: str | None, source) -> dic
         gemm(i)
         pending.wait()
 
-    result = {"label": rt.label, "hidden": h, "tokens": case.tokens}
+    result = {"label": rt.label, "world": size, "hidden": h, "tokens": case.tokens}
     result["hop_ms"] = rt.median_ms(lambda i: hop(i).wait(), repeats)
     result["gemm_ms"] = rt.median_ms(gemm, repeats)
     result["step_ms"] = rt.median_ms(step, repeats)
     result["hop_hidden"] = hidden_fraction(result["hop_ms"], result["gemm_ms"], result["step_ms"])
 
-    cfg_ring = _config(case, TP, "ring", True, init=False)
-    cfg_meg = _config(case, TP, "megatron", True, init=False)
+    cfg_ring = _config(case, size, "ring", True)
+    cfg_meg = _config(case, size, "megatron", True)
     x3 = [x.view(rows, 1, h) for x in xs]
-    full = torch.cat([xs[0]] * TP)
+    gathered = torch.cat([xs[0]] * size)
     columns = {
         "ring_fwd_ms": TemporalColumnParallelLinear(
             h, 4 * h, config=cfg_ring, init_method=cfg_ring.init_method, bias=False,
@@ -803,7 +942,7 @@ def ring_overlap(case: Case, rt: Runtime, async_name: str | None, source) -> dic
             column.weight.copy_(weight)
             result[key] = rt.median_ms(lambda i, c=column: c(x3[i % rt.pool]), repeats)
             column = None
-        result["gemm_only_ms"] = rt.median_ms(lambda i: torch.mm(full, weight.t()), repeats)
+        result["gemm_only_ms"] = rt.median_ms(lambda i: torch.mm(gathered, weight.t()), repeats)
         result["async_tp_fwd_ms"] = None
         if async_name is not None:
             ok, value = True, 0.0
@@ -820,11 +959,11 @@ def ring_overlap(case: Case, rt: Runtime, async_name: str | None, source) -> dic
             if rt.all_ok(ok):
                 result["async_tp_fwd_ms"] = value
     # The ring forward is P chunk GEMMs and P-1 hops; serial it would take P g + (P-1) hop.
-    serial = TP * result["gemm_ms"] + (TP - 1) * result["hop_ms"]
-    exposed = result["ring_fwd_ms"] - TP * result["gemm_ms"]
-    result["pass_hidden"] = hidden_fraction((TP - 1) * result["hop_ms"], 0.0, exposed)
+    serial = size * result["gemm_ms"] + (size - 1) * result["hop_ms"]
+    exposed = result["ring_fwd_ms"] - size * result["gemm_ms"]
+    result["pass_hidden"] = hidden_fraction((size - 1) * result["hop_ms"], 0.0, exposed)
     result["pass_serial_ms"] = serial
-    xs = recv = out = full = x3 = None
+    xs = recv = out = gathered = x3 = weight = None
     rt.free()
     return result
 
@@ -842,7 +981,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tokens", type=lambda t: parse_list(t, parse_tokens), default=[8192, 16384, 32768]
     )
     parser.add_argument(
-        "--variants", type=lambda t: parse_choices(t, VARIANTS), default=list(VARIANTS)
+        "--variants",
+        type=lambda t: parse_choices(t, VARIANTS, ALIASES),
+        default=list(VARIANTS),
+        help=f"any of {', '.join(VARIANTS)} (old names: {', '.join(ALIASES)})",
     )
     parser.add_argument("--seq", type=int, default=4096, help="layer sequence length")
     parser.add_argument("--head-dim", type=int, default=128)
@@ -860,8 +1002,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if min(args.repeats, args.pool, args.seq, args.head_dim) < 1 or args.warmup < 0:
         parser.error("--repeats, --pool, --seq, --head-dim must be >= 1 and --warmup >= 0")
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; init_runtime checks it again
+    if world < 2:
+        parser.error("run under torchrun with --nproc_per_node >= 2 (the TP size P)")
     try:
-        args.case_list = make_cases(args.cases, args.hidden, args.tokens, args.seq, args.head_dim)
+        args.case_list = make_cases(
+            args.cases, args.hidden, args.tokens, args.seq, args.head_dim, world
+        )
     except ValueError as err:
         parser.error(str(err))
     if REFERENCE not in args.variants:
@@ -890,17 +1037,19 @@ def init_runtime(args: argparse.Namespace) -> Runtime:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", timeout=timeout)
-    if dist.get_world_size() != TP:
-        raise SystemExit(f"run with exactly {TP} processes (got {dist.get_world_size()})")
+    size = dist.get_world_size()
+    if size != int(os.environ.get("WORLD_SIZE", "1")):
+        raise SystemExit(f"world size {size} differs from WORLD_SIZE; launch with torchrun")
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=TP,
+        tensor_model_parallel_size=size,
         distributed_timeout_minutes=max(1, args.timeout // 60),
     )
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    solo = GroupCache().get(Layout(tp=TP)).self_group
+    solo = GroupCache().get(Layout(tp=size)).self_group
     return Runtime(
         device=device,
         rank=dist.get_rank(),
+        size=size,
         tp_group=parallel_state.get_tensor_model_parallel_group(),
         solo_group=solo,
         warmup=args.warmup,
@@ -943,11 +1092,11 @@ def main(argv: list[str] | None = None) -> None:
     if "async-tp" in args.variants:
         order.append("async-tp")  # last: a symmetric-memory failure cannot disturb the others
     for case in args.case_list:
-        source = make_source(case, rt, full=False)
+        full = make_full_weights(case, rt)
         failed: set[str] = set()
         wrong: set[str] = set()
         if not args.no_check:
-            case_checks, failed = run_checks(case, rt, args.variants, async_name, source)
+            case_checks, failed = run_checks(case, rt, args.variants, async_name, full)
             checks += case_checks
             wrong = {c["variant"] for c in case_checks if c["result"] == "FAIL"}
             if lead:
@@ -956,17 +1105,15 @@ def main(argv: list[str] | None = None) -> None:
                 async_name = None
         case_rows = []
         for variant in order:
-            row = Row(rt.label, case.block, variant, case.hidden, case.tokens, case.seq, TP)
-            if variant == "async-tp" and (case.block == "layer" or async_name is None):
-                row.status, row.note = "n/a", "MLP only" if case.block == "layer" else "unavailable"
+            gpus = 1 if variant == "one-gpu" else rt.size
+            row = Row(rt.label, case.block, variant, case.hidden, case.tokens, case.seq, gpus)
+            reason = not_applicable(variant, case, rt, async_name)
+            if reason is not None:
+                row.status, row.note = "n/a", reason
             elif variant in failed:
                 row.status, row.note = "n/a", "check raised an error"
             else:
-                weights = source
-                if variant == "one-gpu":
-                    weights = make_source(case, rt, full=True)
-                row = time_variant(variant, case, rt, async_name, weights)
-                weights = None
+                row = time_variant(variant, case, rt, async_name, full)
                 if variant in wrong and row.status == "ok":
                     row.note = "check FAIL"
             case_rows.append(row)
@@ -980,7 +1127,7 @@ def main(argv: list[str] | None = None) -> None:
         if case.block == "mlp" and "ring" in args.variants and not args.no_overlap:
             result, ok = None, True
             try:
-                result = ring_overlap(case, rt, async_name, source)
+                result = ring_overlap(case, rt, async_name, full)
             except Exception:
                 traceback.print_exc()
                 ok = False
@@ -988,7 +1135,7 @@ def main(argv: list[str] | None = None) -> None:
                 overlap.append(result)
                 if lead:
                     print(format_overlap(overlap[-1:]), flush=True)
-        source = None
+        full = None
         rt.free()
         if lead and args.out:
             _write(args.out, header, rows, checks, overlap)

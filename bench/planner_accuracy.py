@@ -1,7 +1,8 @@
 """Planner accuracy: predicted vs measured step time and peak memory of real megatron-core
 GPT training on the GPUs of one machine.
 
-Measure (2 GPUs):  torchrun --nproc_per_node 2 bench/planner_accuracy.py --out measured.json
+Measure (2 or 4 GPUs; the cases whose dp x tp x pp is the world size run):
+                   torchrun --nproc_per_node 2 bench/planner_accuracy.py --out measured.json
 Report (any machine, re-predicts from saved measurements):
                    python bench/planner_accuracy.py --report measured.json
 Measuring needs CUDA: megatron-core's schedules allocate on "cuda" unconditionally.
@@ -53,6 +54,18 @@ GPU_CASES = [
     Case("gpt3-1.3b", 4096, 8, 1, dp=1, tp=2, pp=1),
     Case("gpt3-1.3b", 4096, 8, 1, dp=1, tp=2, pp=1, tp_mode="ring"),
     Case("gpt3-1.3b", 8192, 8, 1, dp=1, tp=2, pp=1, recompute="full"),
+    # 4 GPUs (issue 6): DP, TP, DP x TP, TP x PP, PP, the three TP modes at TP 4, and a 7B
+    Case("gpt3-1.3b", 2048, 32, 4, dp=4, tp=1, pp=1),
+    Case("gpt3-1.3b", 2048, 16, 2, dp=1, tp=4, pp=1),
+    Case("gpt3-2.7b", 2048, 16, 2, dp=2, tp=2, pp=1),
+    Case("gpt3-2.7b", 2048, 16, 1, dp=1, tp=2, pp=2),
+    Case("gpt3-1.3b", 2048, 16, 1, dp=1, tp=1, pp=4),
+    Case("llama2-7b", 4096, 8, 1, dp=1, tp=4, pp=1),
+    Case("gpt3-2.7b", 8192, 8, 1, dp=1, tp=4, pp=1),
+    Case("gpt3-2.7b", 8192, 8, 1, dp=1, tp=4, pp=1, tp_mode="ring"),
+    Case("gpt3-2.7b", 8192, 8, 1, dp=1, tp=4, pp=1, tp_mode="cannon"),
+    # the static layout of bench/hotswitch.py's 3B model at 32K (attention-heavy rows)
+    Case("bench/models/llama-3b.json", 32768, 4, 1, dp=2, tp=2, pp=1),
 ]
 
 
@@ -60,9 +73,9 @@ def model_spec(name: str):
     # Megatron-LM pads the vocabulary to a multiple of 128 x TP; 50257 -> 50304.
     import dataclasses
 
-    from ds_stpar.config import MODEL_PRESETS
+    from ds_stpar.config import ModelSpec
 
-    spec = MODEL_PRESETS[name]
+    spec = ModelSpec.load(name)  # a preset or a model/HF config JSON
     return dataclasses.replace(spec, vocab_size=-(-spec.vocab_size // 256) * 256)
 
 
@@ -94,7 +107,7 @@ def predict(case: Case, spec, gpu_name: str, world: int, profile=None):
 
 
 def link_profile(path: str, gpu_name: str):
-    """Measured 2-GPU link bandwidths from ``bench/layers.py``'s JSON of the same machine
+    """Measured link bandwidths from ``bench/layers.py``'s JSON of the same machine
     (:meth:`~ds_stpar.planner.profile.Profile.from_layers_benchmark`); ``None`` when the
     file is missing (the planner then uses the GPU preset)."""
     from ds_stpar.config import load_gpu
@@ -117,8 +130,21 @@ def predicted_allocated_gib(pred) -> float:
 
 
 def run_case(
-    case: Case, device: torch.device, steps: int, warmup: int, profile: bool = False
+    case: Case,
+    device: torch.device,
+    steps: int,
+    warmup: int,
+    profile: bool = False,
+    memory_trace: bool = False,
 ) -> dict:
+    """Measure one case: median step seconds, peak allocated GiB, the allocated GiB when the
+    timed steps start (model states, Adam moments included) and, with ``memory_trace``, what
+    is alive at the last step's peak (bench/memtrace.py). Memory is counted above what was
+    allocated before the case started (``leftover_gib``: tensors an earlier case in the same
+    process left behind; counting them made later rows read 4-16 GiB high)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    leftover = torch.cuda.memory_allocated()
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -193,6 +219,10 @@ def run_case(
         if step == warmup:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+            base_gib = (torch.cuda.memory_allocated() - leftover) / 2**30
+        tracing = memory_trace and step == warmup + steps - 1
+        if tracing:
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
         start = time.perf_counter()
         model.zero_grad_buffer()
         forward_backward(
@@ -208,6 +238,11 @@ def run_case(
         torch.cuda.synchronize()
         if step >= warmup:
             times.append(time.perf_counter() - start)
+        if tracing:
+            import memtrace
+
+            trace = memtrace.summarize(torch.cuda.memory._snapshot(), device.index)
+            torch.cuda.memory._record_memory_history(enabled=None)
     if profiler is not None:
         profiler.__exit__(None, None, None)
         if dist.get_rank() == 0:
@@ -215,14 +250,22 @@ def run_case(
                 sort_by="cuda_time_total", row_limit=25, max_name_column_width=60
             )
             print(f"profile of {case} over {steps} steps:\n{table}", flush=True)
-    peak = torch.cuda.max_memory_allocated() / 2**30
+    peak = (torch.cuda.max_memory_allocated() - leftover) / 2**30
     peak_t = torch.tensor([peak], device=device)
     dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
     del model, gpt, optimizer
     gc.collect()
     torch.cuda.empty_cache()
     parallel_state.destroy_model_parallel()
-    return {"step_s": statistics.median(times), "peak_gib": peak_t.item()}
+    result = {
+        "step_s": statistics.median(times),
+        "peak_gib": peak_t.item(),
+        "base_gib": base_gib,
+        "leftover_gib": leftover / 2**30,
+    }
+    if memory_trace:
+        result["memory_trace"] = trace
+    return result
 
 
 def main() -> None:
@@ -237,6 +280,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--profile", action="store_true", help="print a torch.profiler table per case"
+    )
+    parser.add_argument(
+        "--memory-trace",
+        action="store_true",
+        help="record the last step's allocations and print what is alive at its peak, by line",
     )
     parser.add_argument("--out", default=None, help="write the measured rows as JSON here (rank 0)")
     parser.add_argument(
@@ -273,7 +321,9 @@ def main() -> None:
         if case.dp * case.tp * case.pp != world:
             continue
         try:
-            measured = run_case(case, device, args.steps, args.warmup, args.profile)
+            measured = run_case(
+                case, device, args.steps, args.warmup, args.profile, args.memory_trace
+            )
         except Exception:  # the peer rank may now hang in a collective: stop the run
             print(f"FAILED {case}:\n{traceback.format_exc()}", flush=True)
             os._exit(1)
@@ -287,6 +337,14 @@ def main() -> None:
         rows.append(row)
         if dist.get_rank() == 0:
             print(json.dumps(row), flush=True)
+            trace = row.get("memory_trace")
+            if trace:
+                print(
+                    f"alive at the last step's peak: {trace['peak_above_base_gib']:.2f} GiB above "
+                    f"the {row['base_gib']:.2f} GiB allocated at the start of the timed steps"
+                )
+                for item in trace["sites"]:
+                    print(f"  {item['gib']:7.3f} GiB {item['blocks']:5d} blocks  {item['site']}")
 
     if dist.get_rank() == 0 and rows:
         if args.out:

@@ -44,7 +44,7 @@ from ds_stpar.errors import ConfigError, StparError
 from ds_stpar.planner import cost
 from ds_stpar.planner import memory as mem
 from ds_stpar.planner.comm import placement
-from ds_stpar.planner.compute import Speed
+from ds_stpar.planner.compute import Speed, attention_core
 from ds_stpar.planner.cost import (
     StageCost,
     estimate,
@@ -786,3 +786,46 @@ def test_layers_benchmark_links_need_ring_overlap_cases():
     # the six NVLink hops move 33-268 MB at 225-300 GB/s (bytes / hop_ms); the median between
     assert 200 < links.bus_bandwidth("p2p", 2) < 300
     assert links.bus_bandwidth("all_gather", 2) == links.bus_bandwidth("all_reduce", 2)
+
+
+@pytest.mark.parametrize(
+    "log, seq, head_dim, heads, calls, kernel, cuda_s",
+    [
+        # cuDNN's kernel at head dim 128 (gpt3-1.3b, TP2: 8 heads per GPU)
+        (
+            "2026-11-26-2xH200/ring-vs-megatron-profile.txt",
+            4096,
+            128,
+            8,
+            384,
+            "aten::_cudnn_attention_backward",
+            0.1013,
+        ),
+        # FlashAttention-2 at head dim 100 (bench/models/llama-3b.json, TP2: 16 heads per GPU)
+        (
+            "2026-11-26-4xH200/accuracy-3b-32k.log",
+            32768,
+            100,
+            16,
+            156,
+            "aten::_flash_attention_backward",
+            5.962,
+        ),
+    ],
+)
+def test_flash_backward_speed_follows_the_kernel_of_the_head_dim(
+    log, seq, head_dim, heads, calls, kernel, cuda_s
+):
+    # The profiled causal SDPA backward of two runs on H200 (torch 2.11): PyTorch takes
+    # cuDNN's kernel at head dim 128 and FlashAttention-2 at 100. The planner's backward for
+    # one call (one micro-batch of one sequence) must match the kernel's CUDA time per call
+    # within 2%: the fractions were read off these two profiles, so this checks that each
+    # head dim reaches its own fraction (a single fraction misses one of them by 30-40%).
+    # The profile line must still say what the parameters say.
+    text = (RESULTS.parent / log).read_text()
+    line = next(row for row in text.splitlines() if row.strip().startswith(kernel + " "))
+    assert f"{calls}" in line.split()[-1]
+    model = ModelSpec("attn", 1, head_dim * heads, heads, vocab_size=1024)
+    speed = Speed(H200, Calibration.load_default("h200-141g"), None, 2)
+    bwd = attention_core(model, seq, heads, speed).bwd
+    assert bwd == pytest.approx(cuda_s / calls, rel=0.02)

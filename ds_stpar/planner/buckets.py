@@ -268,8 +268,8 @@ class _PackedSpeed(Speed):
         super().__init__(cluster.gpu, base.cal, cluster.profile, base.e)
         self.ratio = ratio
 
-    def flash(self, flops: float) -> float:
-        return super().flash(flops * self.ratio)
+    def flash(self, flops: float, head_dim: int = 128) -> float:
+        return super().flash(flops * self.ratio, head_dim)
 
 
 def packed_evaluator(

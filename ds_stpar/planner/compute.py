@@ -6,7 +6,8 @@ already applied. :class:`Speed` turns work into seconds:
 - a GEMM ``(m x k) @ (k x n)`` takes ``max(2 m n k / (peak eff(m, n, k)), bytes / (HBM x
   memory_efficiency))``: the calibration curve (or the profile's measured TFLOP/s for that
   shape) under a roofline, so small and skinny GEMMs run slower;
-- flash attention takes its FLOPs over ``peak x flash_fraction``;
+- flash attention takes its FLOPs over ``peak x flash_fraction`` (another fraction for head
+  dims other than 64 and 128, :class:`~ds_stpar.planner.profile.Calibration`);
 - memory-bound kernels (norms, activations, dropout-add, softmax of unfused attention,
   the optimizer) take their bytes over ``HBM x memory_efficiency``; on megatron-core's
   local stack (``Calibration.stack``) its out-of-place bias / residual adds and its fp32
@@ -35,6 +36,7 @@ from ds_stpar.planner.profile import Calibration, Profile
 
 FLASH_BACKWARD_RATIO = 2.5  # flash backward runs 5 s^2 GEMMs per head to the forward's 2
 CAUSAL_FRACTION = 0.5  # share of the s x s blocks a causal flash kernel computes
+CUDNN_HEAD_DIMS = (64, 128)  # PyTorch's SDPA takes cuDNN's kernel at these head dims
 MASK_BYTES = 1
 
 
@@ -104,8 +106,12 @@ class Speed:
         ``elementwise_efficiency``), elsewhere any kernel (``memory_efficiency``)."""
         return nbytes / self.hbm_elementwise
 
-    def flash(self, flops: float) -> float:
-        return flops / (self.peak * self.cal.flash_fraction)
+    def flash(self, flops: float, head_dim: int = 128) -> float:
+        """Seconds of flash-attention FLOPs at ``head_dim`` (:class:`Calibration`)."""
+        fraction = self.cal.flash_fraction
+        if head_dim not in CUDNN_HEAD_DIMS and self.cal.flash_fraction_other_dims:
+            fraction = self.cal.flash_fraction_other_dims
+        return flops / (self.peak * fraction)
 
 
 # --------------------------------------------------------------------------------------
@@ -169,7 +175,7 @@ def attention_core(model: ModelSpec, seq: int, head_seqs: float, speed: Speed) -
     (softmax grad) + 2e + 1 (dropout grad)."""
     s, d = seq, model.kv_channels
     if speed.cal.flash_attention:
-        fwd = speed.flash(4.0 * s * s * d * head_seqs * CAUSAL_FRACTION)
+        fwd = speed.flash(4.0 * s * s * d * head_seqs * CAUSAL_FRACTION, d)
         return Phase(fwd, FLASH_BACKWARD_RATIO * fwd)
     scores, context = Gemm(s, s, d, head_seqs), Gemm(s, d, s, head_seqs)
     fwd_gemms = [scores, context]

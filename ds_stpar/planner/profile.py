@@ -77,6 +77,11 @@ class Calibration:
     the extra sub-GEMM launch), ``host_op_s`` (one small PyTorch op, for the optimizer's
     per-tensor work). Zero host constants mean host time is not modelled.
 
+    Flash attention: ``flash_fraction`` of peak for head dims 64 and 128 (PyTorch's SDPA
+    runs cuDNN's kernel there), ``flash_fraction_other_dims`` for any other head dim
+    (PyTorch runs FlashAttention-2 with the head dim padded to a multiple of 8; 0 means the
+    same as ``flash_fraction``).
+
     Stack facts (what the software does, not measured speed): ``flash_attention`` (fused
     attention that skips masked blocks; otherwise Megatron's unfused softmax path with s^2
     score tensors), ``overlap_grad_reduce`` (DP reduction overlapped with backward, as
@@ -93,6 +98,7 @@ class Calibration:
     memory_efficiency: float = 0.7
     flash_attention: bool = True
     flash_fraction: float = 0.45
+    flash_fraction_other_dims: float = 0.0
     ring_hop_overlap: float = 0.25
     overlap_fraction: float = 0.8
     overlap_grad_reduce: bool = True
@@ -123,7 +129,12 @@ class Calibration:
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ConfigError(f"calibration {name} must be in (0, 1], got {value}")
-        for name in ("ring_hop_overlap", "overlap_fraction", "allocator_fraction"):
+        for name in (
+            "ring_hop_overlap",
+            "overlap_fraction",
+            "allocator_fraction",
+            "flash_fraction_other_dims",
+        ):
             value = getattr(self, name)
             if not 0 <= value <= 1:
                 raise ConfigError(f"calibration {name} must be in [0, 1], got {value}")
@@ -298,27 +309,30 @@ class Profile:
 
     @classmethod
     def from_layers_benchmark(cls, data: dict, gpu: str, latency_s: float) -> Profile:
-        """The 2-GPU link bandwidths that ``bench/layers.py`` measured (its ``ring_overlap``
-        cases, ``--out`` JSON): point-to-point = one hop's ``T/2 x h`` bf16 chunk over
-        ``hop_ms``; all-gather bus bandwidth = half the gathered ``T x h`` bf16 over the
-        all-gather's share of Megatron's column forward (``megatron_fwd_ms - gemm_only_ms``),
-        used for reduce-scatter and all-reduce too for want of separate figures; each less
-        the per-step ``latency_s`` the cost model adds back, median over the cases."""
+        """The link bandwidths that ``bench/layers.py`` measured on ``P`` GPUs (``data["world"]``,
+        2 for files that predate it; its ``ring_overlap`` cases, ``--out`` JSON):
+        point-to-point = one hop's ``T/P x h`` bf16 chunk over ``hop_ms``; all-gather bus
+        bandwidth = the ``(P - 1) T/P x h`` bf16 bytes each rank receives while gathering
+        ``T x h``, over the all-gather's share of Megatron's column forward
+        (``megatron_fwd_ms - gemm_only_ms``), used for reduce-scatter and all-reduce too for
+        want of separate figures; each less the per-step ``latency_s`` the cost model adds
+        back, median over the cases. Entered for group size ``P``."""
         try:
+            world = int(data.get("world", 2))
             cases = data["ring_overlap"]["cases"]
             p2p, gather = [], []
             for c in cases:
-                half = c["tokens"] * c["hidden"]  # bytes of T/2 x h bf16 = half of T x h
-                p2p.append(half / (c["hop_ms"] * 1e-3 - latency_s) / 1e9)
+                chunk = 2 * c["tokens"] * c["hidden"] / world  # bytes of T/P x h bf16
+                p2p.append(chunk / (c["hop_ms"] * 1e-3 - latency_s) / 1e9)
                 ag_s = (c["megatron_fwd_ms"] - c["gemm_only_ms"]) * 1e-3 - latency_s
-                gather.append(half / ag_s / 1e9)
-        except (KeyError, TypeError) as err:
+                gather.append((world - 1) * chunk / ag_s / 1e9)
+        except (KeyError, TypeError, ValueError) as err:
             raise ConfigError(f"layers benchmark: no ring_overlap cases ({err})") from None
-        if not cases or min(p2p + gather) <= 0:
+        if world < 2 or not cases or min(p2p + gather) <= 0:
             raise ConfigError("layers benchmark: ring_overlap cases give no positive bandwidth")
         busbw = statistics.median(gather)
-        table = {name: {2: busbw} for name in ("all_reduce", "all_gather", "reduce_scatter")}
-        return cls(gpu, bus_bandwidth_gbs={**table, "p2p": {2: statistics.median(p2p)}})
+        table = {name: {world: busbw} for name in ("all_reduce", "all_gather", "reduce_scatter")}
+        return cls(gpu, bus_bandwidth_gbs={**table, "p2p": {world: statistics.median(p2p)}})
 
     def _validate(self, where: str) -> None:
         unknown = sorted(set(self.bus_bandwidth_gbs) - set(COLLECTIVES))
