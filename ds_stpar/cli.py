@@ -579,9 +579,9 @@ def _lighter_variants(model, cluster, train, strategy) -> list[tuple[str, float]
 
 def profile_command_parser(subparsers=None) -> argparse.ArgumentParser:
     description = (
-        "Measure bf16 GEMM speed over a grid of shapes and HBM bandwidth on this machine's "
-        "GPU (and collective bus bandwidth when launched by torchrun on several GPUs), for "
-        "--profile. Needs a CUDA GPU."
+        "Measure bf16 GEMM speed over a grid of shapes on this machine's GPU (and collective "
+        "bus bandwidth when launched by torchrun on several GPUs), for --profile. Needs a "
+        "CUDA GPU."
     )
     if subparsers is not None:
         parser = subparsers.add_parser("profile", description=description, help="measure GPUs")
@@ -590,6 +590,21 @@ def profile_command_parser(subparsers=None) -> argparse.ArgumentParser:
     parser.add_argument("--out", metavar="FILE", default="profile.json", help="JSON to write")
     parser.set_defaults(func=profile_command)
     return parser
+
+
+def profile_summary(profile) -> str:
+    """One line: the best GEMM and each measured collective's bus bandwidth at the largest
+    group."""
+    best = max((row[3] for row in profile.gemm), default=0.0)
+    links = [
+        f"{name} {table[max(table)]:.0f} GB/s over {max(table)}"
+        for name, table in profile.bus_bandwidth_gbs.items()
+        if table
+    ]
+    return (
+        f"{profile.gpu}: best bf16 GEMM {best:.0f} TFLOP/s over {len(profile.gemm)} shapes; "
+        f"collectives: {', '.join(links) or 'none (single process)'}"
+    )
 
 
 def profile_command(args: argparse.Namespace) -> int:
@@ -619,12 +634,7 @@ def profile_command(args: argparse.Namespace) -> int:
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
-        best = max((row[3] for row in profile.gemm), default=0.0)
-        print(
-            f"{profile.gpu}: best bf16 GEMM {best:.0f} TFLOP/s, HBM copy "
-            f"{profile.memory_gbs:.0f} GB/s, collectives measured: "
-            f"{', '.join(profile.bus_bandwidth_gbs) or 'none (single process)'}; wrote {args.out}"
-        )
+        print(profile_summary(profile) + f"; wrote {args.out}")
     return 0
 
 

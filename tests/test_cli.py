@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -202,3 +203,27 @@ def test_python_m_entry_point():
     assert bad.returncode == 2
     assert bad.stderr.startswith("ds-stpar: error: unknown model 'nope'")
     assert "Traceback" not in bad.stderr
+
+
+def test_profile_writes_and_reports_a_measurement(capsys, tmp_path, monkeypatch):
+    # what `ds-stpar profile` measured on 4 x H200 (bench/results): CPU machines cannot
+    # measure, so the measurement is replayed; the command must write it back unchanged
+    # and report its best GEMM and the bus bandwidths at the largest group
+    from ds_stpar.planner import profile as profile_module
+
+    recorded = (
+        Path(__file__).resolve().parent.parent
+        / "bench"
+        / "results"
+        / "2026-11-26-4xH200"
+        / "profile-4xH200.json"
+    )
+    measured = profile_module.Profile.from_json(recorded)
+    monkeypatch.setattr(profile_module, "measure", lambda: measured)
+    target = tmp_path / "profile.json"
+    code, out, err = run(capsys, "profile", "--out", str(target))
+    assert code == 0, err
+    assert profile_module.Profile.from_json(target) == measured
+    best = max(row[3] for row in measured.gemm)
+    assert f"best bf16 GEMM {best:.0f} TFLOP/s over 100 shapes" in out
+    assert "all_reduce 338 GB/s over 4" in out

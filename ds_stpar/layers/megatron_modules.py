@@ -3,8 +3,11 @@
 - :class:`SDPACoreAttention` — core attention through ``torch.nn.functional.
   scaled_dot_product_attention``: flash/memory-efficient kernels on GPU (no [b, a, s, s]
   score tensor is kept, so activation memory loses Korthikanti's ``5as/h`` term), the math
-  kernel on CPU. Packed rows (``PackedSeqParams`` with ``cu_seqlens_q``) are attended one
-  document at a time, so no token attends across a document boundary.
+  kernel on CPU. Packed rows (``PackedSeqParams`` with ``cu_seqlens_q``): no token attends
+  across a document boundary. On GPU (bf16/fp16, no attention dropout) one variable-length
+  flash kernel (``torch.nn.attention.varlen``) runs every document of the micro-batch; on CPU,
+  or where that kernel is missing, documents are attended one at a time (one SDPA call each,
+  the segment bounds read to the host once per micro-batch).
 - :class:`SequenceParallelNorm` — LayerNorm/RMSNorm that accepts ``sequence_parallel=True``.
   Megatron's ``WrappedTorchNorm`` refuses it. Under SP every TP rank normalises its own s/t
   tokens, so the norm weight gradient is a partial sum: the ``sequence_parallel`` attribute
@@ -15,6 +18,9 @@ Shapes follow Megatron: queries [s, b, heads/t, d], keys/values [s, b, groups/t,
 """
 
 from __future__ import annotations
+
+import inspect
+import os
 
 import torch
 import torch.nn.functional as F
@@ -66,8 +72,10 @@ class SDPACoreAttention(MegatronModule):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout = self.dropout if self.training else 0.0
         gqa = k.shape[1] != heads
-        if packed_seq_params is not None:
-            bounds = packed_seq_params.cu_seqlens_q.tolist()
+        if packed_seq_params is not None and varlen_usable(query, dropout):
+            out = varlen_causal(q, k, v, packed_seq_params, self.softmax_scale)
+        elif packed_seq_params is not None:
+            bounds = host_bounds(packed_seq_params)
             parts = [
                 F.scaled_dot_product_attention(
                     q[:, :, a:b],
@@ -98,6 +106,74 @@ class SDPACoreAttention(MegatronModule):
                 q, k, v, dropout_p=dropout, is_causal=True, scale=self.softmax_scale, enable_gqa=gqa
             )
         return out.permute(2, 0, 1, 3).reshape(seq, batch, heads * dim)
+
+
+def host_bounds(params: PackedSeqParams) -> list[int]:
+    """``cu_seqlens_q`` as a Python list, read once per micro-batch: every layer gets the same
+    ``params`` object, and reading a GPU tensor on the host waits for the GPU, which would
+    stall the kernel queue once per layer."""
+    bounds = getattr(params, "_stpar_host_bounds", None)
+    if bounds is None:
+        bounds = params.cu_seqlens_q.tolist()
+        params._stpar_host_bounds = bounds
+    return bounds
+
+
+def _varlen_kernel():
+    """PyTorch's variable-length flash attention (``torch.nn.attention.varlen``), or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+VARLEN_ATTN = _varlen_kernel()
+VARLEN_PARAMS = set(inspect.signature(VARLEN_ATTN).parameters) if VARLEN_ATTN else set()
+
+
+def varlen_usable(query: Tensor, dropout: float) -> bool:
+    """One varlen flash kernel for all segments: CUDA bf16/fp16, batch 1 (Megatron's ``thd``
+    rows flattened), no attention dropout (the kernel has none); ``DS_STPAR_VARLEN=0`` in the
+    environment turns it off (the per-document path, for comparison)."""
+    return (
+        VARLEN_ATTN is not None
+        and os.environ.get("DS_STPAR_VARLEN", "1") != "0"
+        and query.is_cuda
+        and query.dtype in (torch.bfloat16, torch.float16)
+        and query.shape[1] == 1
+        and dropout == 0.0
+    )
+
+
+def varlen_causal(
+    q: Tensor, k: Tensor, v: Tensor, params: PackedSeqParams, scale: float | None
+) -> Tensor:
+    """Causal attention inside each ``cu_seqlens`` segment in one kernel.
+
+    ``q`` [1, n, t, d], ``k``/``v`` [1, g, t, d] (the ``[b, heads, s, d]`` view of the caller)
+    -> [1, n, t, d]. The kernel takes [t, heads, d]; GQA groups are repeated when this
+    PyTorch's kernel does not broadcast them itself."""
+    qt, kt, vt = (x[0].transpose(0, 1) for x in (q, k, v))  # [t, heads, d]
+    heads, groups = qt.shape[1], kt.shape[1]
+    kwargs = {"scale": scale}
+    if groups != heads:
+        if "enable_gqa" in VARLEN_PARAMS:
+            kwargs["enable_gqa"] = True
+        else:
+            kt, vt = (x.repeat_interleave(heads // groups, dim=1) for x in (kt, vt))
+    if "window_size" in VARLEN_PARAMS:
+        kwargs["window_size"] = (-1, 0)  # causal
+    else:
+        kwargs["is_causal"] = True
+    cu = params.cu_seqlens_q.to(torch.int32)
+    longest = params.max_seqlen_q
+    if not longest:
+        bounds = host_bounds(params)
+        longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    longest = int(longest)
+    out = VARLEN_ATTN(qt, kt, vt, cu, cu, longest, longest, **kwargs)
+    return out.transpose(0, 1).unsqueeze(0)
 
 
 class SequenceParallelNorm:
