@@ -173,6 +173,14 @@ def _add_data_args(parser: argparse.ArgumentParser, required: bool) -> None:
         help=f"at most this many buckets (default {DEFAULT_MAX_BUCKETS})",
     )
     data.add_argument(
+        "--stack",
+        choices=("megatron-core-local", "fused"),
+        default="megatron-core-local",
+        help="software the bucket plan's times are predicted for: megatron-core-local (default: "
+        "what launch/pretrain.py builds, megatron-core's local modules with ds_stpar's layers, "
+        "no Transformer Engine) or fused (the published Megatron-LM stack)",
+    )
+    data.add_argument(
         "--min-buckets",
         type=int,
         default=1,
@@ -206,6 +214,7 @@ def _document_lengths(args: argparse.Namespace):
 
 def _bucket_plan(args: argparse.Namespace, model: ModelSpec, cluster: ClusterSpec, train):
     from ds_stpar.planner.buckets import plan_buckets
+    from ds_stpar.planner.profile import Calibration
 
     return plan_buckets(
         _document_lengths(args),
@@ -215,14 +224,16 @@ def _bucket_plan(args: argparse.Namespace, model: ModelSpec, cluster: ClusterSpe
         max_buckets=args.max_buckets,
         min_buckets=args.min_buckets,
         min_edge=args.min_edge,
+        calibration=Calibration.load_default(cluster.gpu.name, stack=args.stack),
         tp_modes=tuple(args.tp_modes),
         allow_tp_across_nodes=args.allow_tp_across_nodes or None,
     )
 
 
-def _print_buckets(plan) -> None:
+def _print_buckets(plan, stack: str) -> None:
     from ds_stpar.planner.emit import BUCKET_HEADERS, bucket_rows, bucket_summary
 
+    print(f"times predicted for the {stack} stack (--stack)")
     print(ascii_table(BUCKET_HEADERS, bucket_rows(plan)))
     for line in bucket_summary(plan):
         print(line)
@@ -441,7 +452,7 @@ def plan_command(args: argparse.Namespace) -> int:
             "files": written,
         }
         if buckets is not None:
-            report["buckets"] = buckets.to_dict()
+            report["buckets"] = {"stack": args.stack, **buckets.to_dict()}
         print(json.dumps(report, indent=2))
         return 0
     best = result.top[0]
@@ -461,7 +472,7 @@ def plan_command(args: argparse.Namespace) -> int:
             print(f"  ... {len(rejected) - SHOW_REJECTED} more in plan.md (--out) and --json")
     if buckets is not None:
         print(f"sequence-length buckets for {args.data} (packed documents):")
-        _print_buckets(buckets)
+        _print_buckets(buckets, args.stack)
     if written:
         print("wrote " + ", ".join(written))
     else:
@@ -688,13 +699,14 @@ def buckets_command(args: argparse.Namespace) -> int:
             "gpu": cluster.gpu.name,
             "seq_len": train.seq_len,
             "data": args.data,
+            "stack": args.stack,
             **plan.to_dict(),
             "plot": args.plot,
         }
         print(json.dumps(report, indent=2))
         return 0
     _print_inputs(model, cluster, train)
-    _print_buckets(plan)
+    _print_buckets(plan, args.stack)
     if args.plot:
         print(f"wrote {args.plot}")
     return 0

@@ -333,6 +333,7 @@ def test_plan_data_writes_buckets_that_read_back(capsys, encodings_jsonl, tmp_pa
     out_dir = tmp_path / "plan"
     argv = ["plan", "--data", encodings_jsonl, "--model", str(model), "--gpus", "2"]
     argv += ["--seq-len", "32768", "--global-batch", "64", "--hbm-gib", "40", "--nvlink-gbs", "100"]
+    argv += ["--stack", "fused"]  # buckets pay on this data and link under the fused stack
     code, out, err = run(capsys, *argv, "--out", str(out_dir))
     assert code == 0, err
     assert "sequence-length buckets" in out
@@ -367,6 +368,31 @@ def test_bad_input_exits_2_with_one_line(capsys, stdlib_jsonl, argv, message):
     code, out, err = run(capsys, "buckets", *argv, *ARGS_8K)
     assert code == 2 and out == ""
     assert err.startswith("ds-stpar: error:") and message in err and len(err.splitlines()) == 1
+
+
+def test_buckets_are_predicted_for_the_training_loops_stack(capsys, stdlib_jsonl):
+    # launch/pretrain.py builds megatron-core's local modules: the bucket plan is predicted
+    # for that stack unless --stack says otherwise; each equals the planner called directly
+    from ds_stpar.planner.profile import Calibration
+
+    path, lengths = stdlib_jsonl
+    argv = ["buckets", "--data", path, "--model", "gpt3-350m", "--gpus", "2"]
+    argv += ["--seq-len", "4096", "--global-batch", "16", "--json"]
+    for stack in ("megatron-core-local", "fused"):
+        flags = [] if stack == "megatron-core-local" else ["--stack", stack]
+        code, out, err = run(capsys, *argv, *flags)
+        assert code == 0, err
+        data = json.loads(out)
+        assert data["stack"] == stack
+        direct = bk.plan_buckets(
+            lengths,
+            ModelSpec.load("gpt3-350m"),
+            H100x2,
+            TrainSpec(4096, 16),
+            calibration=Calibration.load_default("h100-80g", stack=stack),
+        )
+        assert data["bucketed_step_s"] == pytest.approx(direct.bucketed_step_s, rel=REL)
+        assert data["static_step_s"] == pytest.approx(direct.static_step_s, rel=REL)
 
 
 def test_cli_defaults_match_the_planner():
