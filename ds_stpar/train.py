@@ -25,6 +25,7 @@ step); reading the LR afterwards would give the next step's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -62,6 +63,7 @@ class RunOptions:
     seed: int = 1234
     stdlib_files: int = 300  # with --data stdlib: the first N files of the sorted list
     log_interval: int = 1
+    profile_step: int = 0  # 0: no profile; else torch.profiler over that step, rank 0's table
 
 
 def add_train_args(parser: argparse.ArgumentParser) -> None:
@@ -95,6 +97,13 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
         "--stdlib-files", type=int, default=300, help=f"files of --data {STDLIB} (default 300)"
     )
     parser.add_argument("--log-interval", type=int, default=1, help="steps per log line")
+    parser.add_argument(
+        "--profile-step",
+        type=int,
+        default=0,
+        help="profile this step with torch.profiler; rank 0 writes <out>/profile-step-N.txt "
+        "(ops by device time and by host time)",
+    )
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
 
 
@@ -131,6 +140,11 @@ def check_inputs(opts: RunOptions, world: int) -> Checked:
     engine_config(ds_config, cfg)  # refuses ZeRO 3
     if opts.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {opts.steps}")
+    if not 0 <= opts.profile_step <= opts.steps:
+        raise ConfigError(
+            f"--profile-step must be a step of this run (1-{opts.steps}) or 0, got "
+            f"{opts.profile_step}"
+        )
     model = cfg.model
     if model.position_embedding == "learned" and cfg.train.seq_len > model.max_position_embeddings:
         raise ConfigError(
@@ -404,7 +418,8 @@ def run(opts: RunOptions) -> list[dict]:
             plan = next(plans)
             flops = step_flops(model, plan)
             lr = float(engine.get_lr()[0])  # what this step's update uses (module docstring)
-            stats = runner.step(plan)
+            with _step_profiler(opts, step + 1, rank):
+                stats = runner.step(plan)
             step += 1
             row = metrics_row(step, stats, flops, world, cfg.gpu, lr)
             rows.append(row)
@@ -422,6 +437,30 @@ def run(opts: RunOptions) -> list[dict]:
     finally:
         progress.close()
     return rows
+
+
+@contextlib.contextmanager
+def _step_profiler(opts: RunOptions, step: int, rank: int):
+    """torch.profiler around step ``opts.profile_step`` (1-based); rank 0 writes two tables
+    to ``<out>/profile-step-N.txt``: ops by device (CUDA) time and by host (CPU) time."""
+    if step != opts.profile_step:
+        yield
+        return
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        yield
+    if rank == 0:
+        events = prof.key_averages()
+        device = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        tables = [
+            f"# step {step}: ops by {device}\n"
+            + events.table(sort_by=device, row_limit=40, max_name_column_width=70),
+            f"# step {step}: ops by self_cpu_time_total\n"
+            + events.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70),
+        ]
+        _write_atomic(Path(opts.out) / f"profile-step-{step}.txt", "\n\n".join(tables))
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "pretrain.py") -> int:

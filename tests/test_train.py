@@ -45,6 +45,7 @@ def test_pretrain_through_the_deepspeed_launcher(tmp_path):
     out, save = tmp_path / "run", tmp_path / "ckpt"
     args = ["--config", str(TINY), "--data", str(data), "--steps", "4"]
     args += ["--out", str(out), "--save", str(save), "--save-interval", "2", "--seed", "3"]
+    args += ["--profile-step", "3"]
     proc = subprocess.run(
         deepspeed_cmd(2, *args), env=launch_env(), capture_output=True, text=True, timeout=300
     )
@@ -73,6 +74,10 @@ def test_pretrain_through_the_deepspeed_launcher(tmp_path):
         [0.0] + [peak * (k - 2) / warmup for k in (2, 3, 4)], rel=1e-12, abs=0
     )
     assert any(sum(r["micro_batches"].values()) > 1 for r in rows)
+    # --profile-step 3: rank 0's op tables of that step alone, the model's GEMMs among them
+    assert [p.name for p in out.glob("profile-step-*.txt")] == ["profile-step-3.txt"]
+    profile = (out / "profile-step-3.txt").read_text()
+    assert "# step 3: ops by cpu_time_total" in profile and "aten::mm" in profile
     resolved = json.loads((out / "config.json").read_text())
     assert resolved["run"]["world_size"] == 2 and resolved["run"]["dtype"] == "fp32"
     assert resolved["deepspeed"]["gradient_accumulation_steps"] == 1
@@ -109,6 +114,7 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["--config", tiny, "--tokenizer", str(tmp_path / "tok.json")], "no such tokenizer"),
         (["--config", tiny, "--load", str(tmp_path)], "no checkpoint here"),
         (["--config", tiny, "--steps", "0"], "--steps must be >= 1"),
+        (["--config", tiny, "--steps", "2", "--profile-step", "3"], "--profile-step must be"),
         (["--config", tiny, "--save", str(empty)], "exists and is not a directory"),
         (["--config", tiny, "--data", str(empty)], "empty file, no documents"),
         (["--config", tiny, "--data", str(no_text)], "no text column 'text'"),
