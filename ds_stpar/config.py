@@ -552,6 +552,16 @@ class Strategy:
         return _from_dict(cls, {**data, "layout": layout}, "strategy")
 
 
+def model_key(strategy: Strategy) -> Strategy:
+    """What a layout's model depends on: the strategy without its batch and ZeRO knobs, and
+    with full recompute as none (a runtime switch of one megatron-core model,
+    :func:`ds_stpar.integrations.megatron.set_full_recompute`). Buckets whose keys are equal
+    share one model: a short bucket without recompute in the home layout of a fully
+    recomputed long bucket runs on the home model, with no switch."""
+    recompute = "none" if strategy.recompute == "full" else strategy.recompute
+    return dataclasses.replace(strategy, micro_batch=1, zero=0, recompute=recompute)
+
+
 def stage_layers(num_layers: int, strategy: Strategy) -> list[int]:
     """Transformer layers on each pipeline stage (uneven first/last stages allowed)."""
     pp = strategy.layout.pp

@@ -10,6 +10,7 @@ plain cost model applies. Floats computed in another order agree to a relative 1
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -27,6 +28,7 @@ from ds_stpar.config import (
     Strategy,
     TrainSpec,
     load_gpu,
+    model_key,
 )
 from ds_stpar.errors import ConfigError, DoesNotFitError
 from ds_stpar.planner import buckets as bk
@@ -125,6 +127,36 @@ def test_bucketed_step_is_the_sum_of_its_parts(skewed_plan):
     assert plan.switch_s == pytest.approx(sum(b.switch_s for b in plan.buckets), rel=REL)
     # switching is charged: the plan costs more than its buckets and update alone
     assert plan.bucketed_step_s > sum(b.time_s for b in plan.buckets) + plan.update_s
+
+
+def test_short_bucket_drops_recompute_on_the_home_model():
+    # Over a slow link (20 GB/s) TP does not pay and 32K rows of gpt3-1.3b need full
+    # recompute under DP2; 1024-token rows do not. The short bucket runs on the home model
+    # with recompute off (model_key: full recompute is a runtime switch), so it moves nothing
+    # and holds no second model; the plan gains what recompute cost on 80% of the tokens.
+    gpu = dataclasses.replace(load_gpu("h100-80g"), nvlink_gbs=20.0)
+    cluster = ClusterSpec(gpu, 2)
+    model = dataclasses.replace(MODEL, max_position_embeddings=SEQ)
+    plan = bk.plan_buckets(skewed_lengths(), model, cluster, TRAIN, edges=(SHORT,))
+    short, home = plan.buckets
+    assert home.strategy.layout == short.strategy.layout == Layout(dp=2)
+    assert (short.strategy.recompute, home.strategy.recompute) == ("none", "full")
+    assert model_key(short.strategy) == model_key(home.strategy)
+    assert short.strategy.zero == home.strategy.zero  # it runs under the home's engine
+    assert plan.switch_s == short.switch_s == 0.0
+    assert plan.speedup > 1.05
+    # memory: the home's model states only (no carry, no second model) + the short
+    # bucket's activations and buffers, DP buffers included, from the cost model
+    rows = 2 * short.strategy.micro_batch
+
+    def parts(strategy, seq):
+        return estimate(model, cluster, TrainSpec(seq, rows), strategy).memory_breakdown
+
+    states = sum(parts(home.strategy, SEQ)[k] for k in ("weights", "grads", "optimizer"))
+    mem = parts(dataclasses.replace(short.strategy, zero=0), SHORT)
+    active = sum(mem.values()) - sum(mem[k] for k in ("weights", "grads", "optimizer"))
+    active -= mem["optimizer_step"]
+    assert short.peak_memory_gib == pytest.approx(states + active, rel=REL)
 
 
 def test_memory_counts_every_resident_model(skewed_plan):

@@ -30,11 +30,14 @@ DP2, TP2, RING2 = Layout(dp=2), Layout(tp=2), Layout(tp=2, tp_mode="ring")
 DP4, TP4, CANNON4 = Layout(dp=4), Layout(tp=4), Layout(tp=4, tp_mode="cannon")  # 2x2 torus
 
 
-def _config(layouts, zero=0, mb=2, model=TINY, global_batch=8, edges=EDGES) -> StparConfig:
+def _config(
+    layouts, zero=0, mb=2, model=TINY, global_batch=8, edges=EDGES, recompute=None
+) -> StparConfig:
     edges = edges[: len(layouts)]
+    recompute = recompute or ("none",) * len(layouts)
     buckets = tuple(
-        Bucket(edge, Strategy(layout, micro_batch=mb, zero=zero))
-        for edge, layout in zip(edges, layouts)
+        Bucket(edge, Strategy(layout, micro_batch=mb, zero=zero, recompute=rc))
+        for edge, layout, rc in zip(edges, layouts, recompute)
     )
     return StparConfig(model, TrainSpec(edges[-1], global_batch, "fp32"), buckets, gpus_per_node=2)
 
@@ -200,6 +203,29 @@ def _check_gradients(rank: int, world: int) -> None:
         ref_loss, ref_grads = _megatron_reference(model, weights, plan, docs, cache, rank)
         _compare(what, runner, stats, plan, ref_loss, ref_grads)
         runner.engine.destroy()
+    _check_recompute_shares_the_home_model(docs, cache, rank)
+
+
+def _check_recompute_shares_the_home_model(docs, cache, rank: int) -> None:
+    """Buckets that differ only in full recompute run on one model, each with its own
+    recompute (read by megatron-core's block at every forward), and the gradient is the
+    reference's."""
+    from ds_stpar.seqbucket.sampler import BucketSampler
+
+    what = "dp2 short without recompute, dp2 home with full recompute: one model, ZeRO 1"
+    cfg = _config((DP2, DP2, DP2), 1, recompute=("none", "full", "full"))
+    model, runner = _setup(cfg, _ds_config(1), cache, docs)
+    assert len(runner.models) == 1  # no second model, nothing to switch
+    seen = []
+    block = runner.home.module.decoder
+    block.register_forward_pre_hook(lambda m, a: seen.append(m.config.recompute_granularity))
+    plan = _full_plan(BucketSampler(docs.lengths, cfg.buckets, 2048, seed=2))
+    weights = _gather_full({n: p.detach() for n, p in runner.home.params.items()}, runner)
+    stats = runner.accumulate(plan)
+    assert set(seen) == {None, "full"}, seen  # each bucket ran with its own recompute
+    ref_loss, ref_grads = _megatron_reference(model, weights, plan, docs, cache, rank)
+    _compare(what, runner, stats, plan, ref_loss, ref_grads)
+    runner.engine.destroy()
 
 
 def _losses(cfg, ds, cache, docs, steps):

@@ -20,16 +20,41 @@ from ds_stpar.parallel import LayoutGroups
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+def recompute_fields(recompute: str) -> dict:
+    """TransformerConfig's recompute fields for the planner's ``none``/``selective``/``full``
+    (full: every layer's input kept, the layer recomputed in backward, Megatron-LM's
+    --recompute-granularity full --recompute-method uniform --recompute-num-layers 1)."""
+    if recompute == "full":
+        return {
+            "recompute_granularity": "full",
+            "recompute_method": "uniform",
+            "recompute_num_layers": 1,
+        }
+    granularity = "selective" if recompute == "selective" else None
+    return {
+        "recompute_granularity": granularity,
+        "recompute_method": None,
+        "recompute_num_layers": None,
+    }
+
+
+def set_full_recompute(config: TransformerConfig, recompute: str) -> None:
+    """Switch a built model between no and full recompute: megatron-core's TransformerBlock
+    reads these fields at every forward, so one model serves buckets that differ only in
+    that (selective recompute is fixed when the layers are built)."""
+    if config.recompute_granularity == "selective" or recompute == "selective":
+        raise ValueError("selective recompute is fixed when a model is built")
+    for name, value in recompute_fields(recompute).items():
+        setattr(config, name, value)
+
+
 def transformer_config(
     model: ModelSpec, strategy: Strategy, dtype: str = "bf16", **overrides
 ) -> TransformerConfig:
     """Megatron TransformerConfig for ``model`` under ``strategy`` (dropout off by default)."""
     layout = strategy.layout
     params_dtype = _DTYPES[dtype]
-    recompute = {"none": {}, "selective": {"recompute_granularity": "selective"}}.get(
-        strategy.recompute,
-        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
-    )
+    recompute = {k: v for k, v in recompute_fields(strategy.recompute).items() if v is not None}
     layers = stage_layers(model.num_layers, strategy)
     kwargs = dict(
         num_layers=model.num_layers,

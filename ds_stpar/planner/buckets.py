@@ -16,10 +16,14 @@ minimising the expected step time of seqbucket/runner.py's loop::
   Algorithm 1 in :mod:`~ds_stpar.seqbucket.switch`) for the ``e``-byte weights home -> ``S_i``
   before bucket ``i`` and its fp32 gradient back after it. The home layout ``S_k`` (the
   longest bucket's, where fp32 master weights and optimizer state live) moves nothing.
-  Buckets have distinct models (two buckets sharing a model would differ only in packing
-  budget and micro-batch, and cost an extra gradient carry), so ``k`` buckets switch
-  ``k - 1`` times each way per step, every step (a bucket is charged even in steps that
-  happen to hold none of its documents);
+  A bucket whose model is the home's (:func:`~ds_stpar.config.model_key`: the home layout
+  and sequence parallelism, any micro-batch, full recompute or none: the runner turns
+  recompute on and off in the same model) runs on the home model under the home's engine and
+  moves nothing: the typical case is a short bucket without recompute beside a long one that
+  needs it. Other non-home buckets have distinct models (two sharing one would differ only in
+  packing budget and micro-batch, and cost an extra gradient carry) and switch once each way
+  per step, every step (a bucket is charged even in steps that happen to hold none of its
+  documents);
 - ``update``: the home layout's exposed DP gradient reduction and optimizer step, once.
 
 Rows per step. Documents longer than ``s`` are cut into pieces
@@ -50,13 +54,15 @@ Memory, per GPU (what the runner allocates; seqbucket/runner.py):
 
 - always: the home layout's model states as the cost model counts them for its ZeRO stage
   (bf16 weights, gradients, fp32 master weights + Adam moments);
-- with any non-home bucket: the carry, fp32 gradients of the home layout's local shapes
-  (``4 Psi_k``), and for each non-home bucket its model: ``e Psi_i`` weights and ``4 Psi_i``
-  fp32 gradient accumulators (``Psi``: parameters per GPU of that layout). All layouts'
-  models stay resident for the whole step;
+- with any bucket on a model of its own: the carry, fp32 gradients of the home layout's
+  local shapes (``4 Psi_k``), and for each such bucket its model: ``e Psi_i`` weights and
+  ``4 Psi_i`` fp32 gradient accumulators (``Psi``: parameters per GPU of that layout). All
+  layouts' models stay resident for the whole step;
 - while bucket ``i`` runs: the cost model's activations, communication buffers, allocator
-  headroom and runtime reserve for ``S_i`` at ``e_i`` (non-home layouts keep no DP reduction
-  bucket, their gradient leaves through the switch, and run no optimizer step). Switch
+  headroom and runtime reserve for ``S_i`` at ``e_i`` (layouts of their own keep no DP
+  reduction bucket, their gradient leaves through the switch; buckets on the home model keep
+  the home's; neither runs the optimizer step). ZeRO-2's reduce-scatter per micro-batch is
+  charged to the home bucket's micro-batches only. Switch
   buffers are transient and live between buckets, when no activations are held; they are
   not counted.
 
@@ -111,6 +117,7 @@ from ds_stpar.config import (
     ModelSpec,
     Strategy,
     TrainSpec,
+    model_key,
 )
 from ds_stpar.errors import ConfigError, DataError, DoesNotFitError
 from ds_stpar.planner import memory as mem
@@ -559,6 +566,7 @@ class _Option:
     params: float
     update0: float = 0.0
     update_slope: float = 0.0
+    shared_active_gib: float = 0.0  # a non-home option run on the home model (DP buffers too)
 
     def seconds(self, stats: PackStats) -> tuple[float, float, float]:
         """(forward + backward seconds, micro-batches per rank, attention ratio) of a bucket."""
@@ -572,11 +580,6 @@ def runnable(strategy: Strategy) -> bool:
     schedules need a Megatron loop) and ZeRO 0-2 (ZeRO-3 shards the parameters that the
     switch reads); the static baseline and every bucket are held to it."""
     return strategy.layout.pp == 1 and strategy.zero in HOME_ZERO
-
-
-def model_key(strategy: Strategy) -> Strategy:
-    """What a layout's model depends on (seqbucket/runner.py builds one model per key)."""
-    return dataclasses.replace(strategy, micro_batch=1, zero=0)
 
 
 def _knobs(layout: Layout, flash: bool) -> list[tuple[bool, str]]:
@@ -690,7 +693,9 @@ class _Planner:
         full = self.evaluator(edge, self.base_rows, 1.0, away).estimate(strategy)
         t0, t1 = pass_seconds(none) / m, pass_seconds(full) / m
         if away:
-            return _Option(strategy, t0, t1, active, 0.0, params)
+            _, on_home = self.evaluator(edge, self.base_rows, 0.0).memory(strategy)
+            shared = sum(on_home.values()) - states - on_home["optimizer_step"]
+            return _Option(strategy, t0, t1, active, 0.0, params, shared_active_gib=shared)
         slope = 0.0
         if strategy.zero == 2:  # ZeRO-2 reduce-scatters every micro-batch
             twice = self.evaluator(edge, 2 * self.base_rows, 1.0).estimate(strategy)
@@ -720,6 +725,14 @@ class _Planner:
         return self._home[key]
 
     # ---- one (home, edge set) --------------------------------------------------------
+    @staticmethod
+    def bucket_active_gib(h: _Option, o: _Option) -> float:
+        """Memory a non-home bucket adds while it runs: on the home model (its key equal to
+        the home's) with the home's DP buffers, otherwise its own layout's."""
+        if model_key(o.strategy) == model_key(h.strategy):
+            return o.shared_active_gib
+        return o.active_gib
+
     def resident_gib(self, h: _Option, away: Sequence[_Option]) -> float:
         """Model states held for the whole step (module docstring, "Memory")."""
         if not away:
@@ -758,14 +771,14 @@ class _Planner:
                     step = lists[k][nxt[k]][0] - lists[k][index[k]][0]
                     heapq.heappush(heap, (total + step, nxt))
             chosen = [lists[k][i][1] for k, i in enumerate(index)]
-            keys = {model_key(o.strategy) for o in chosen}
-            if len(keys) < len(chosen) or home_key in keys:
+            own = [o for o in chosen if model_key(o.strategy) != home_key]
+            if len({model_key(o.strategy) for o in own}) < len(own):
                 continue
-            active = max([h.active_gib] + [o.active_gib for o in chosen])
-            if self.resident_gib(h, chosen) + active > self.capacity:
+            active = max([h.active_gib] + [self.bucket_active_gib(h, o) for o in chosen])
+            if self.resident_gib(h, own) + active > self.capacity:
                 continue
             self.considered += 1
-            cost = home_s + total + sum(sum(self.switch(h.strategy, o.strategy)) for o in chosen)
+            cost = home_s + total + sum(sum(self.switch(h.strategy, o.strategy)) for o in own)
             if cost < bound:
                 bound, best = cost, (cost, tuple(chosen))
         return best
@@ -922,7 +935,8 @@ class _Planner:
             )
         home, edge_set, away = found
         bounds = (0, *edge_set, seq_len)
-        resident = self.resident_gib(home, away)
+        home_key = model_key(home.strategy)
+        resident = self.resident_gib(home, [o for o in away if model_key(o.strategy) != home_key])
         buckets = []
         switch_total = update = 0.0
         for (lo, hi), option in zip(zip(bounds, bounds[1:]), (*away, home)):
@@ -930,8 +944,11 @@ class _Planner:
             _, m, ratio = option.seconds(stats)
             s = option.strategy
             timing = self.timing(hi, s, m, ratio)
-            switch = 0.0 if option is home else sum(self.switch(home.strategy, s))
+            shared = option is not home and model_key(s) == home_key
+            switch = 0.0 if option is home or shared else sum(self.switch(home.strategy, s))
             switch_total += switch
+            if shared:  # runs on the home model, under the home's DeepSpeed engine
+                s = dataclasses.replace(s, zero=home.strategy.zero)
             if option is home:
                 update = timing.update_s
             buckets.append(
@@ -948,7 +965,12 @@ class _Planner:
                     attention_ratio=ratio,
                     time_s=timing.pass_s,
                     switch_s=switch,
-                    peak_memory_gib=resident + option.active_gib,
+                    peak_memory_gib=resident
+                    + (
+                        option.active_gib
+                        if option is home
+                        else self.bucket_active_gib(home, option)
+                    ),
                 )
             )
         step = sum(b.time_s for b in buckets) + switch_total + update

@@ -1,7 +1,9 @@
 """One mini-batch across layouts: switch weights in, run a bucket, carry its gradient home.
 
 Per :class:`~ds_stpar.seqbucket.sampler.MiniBatchPlan` (buckets shortest first, empty ones
-skipped), with one model per layout the plan uses (:func:`build_layout_models`):
+skipped), with one model per :func:`~ds_stpar.config.model_key` the plan uses
+(:func:`build_layout_models`; buckets differing only in micro-batch or full recompute share
+one, the recompute switched per bucket):
 
 1. a bucket whose layout is not the home one: its model gets the home model's current weights
    (:func:`~ds_stpar.seqbucket.switch.switch`, once per optimizer step), runs the bucket's
@@ -62,7 +64,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ds_stpar.config import Layout, ModelSpec, Strategy
+from ds_stpar.config import Layout, ModelSpec, Strategy, model_key
 from ds_stpar.errors import ConfigError
 from ds_stpar.layers.cross_entropy import vocab_parallel_cross_entropy
 from ds_stpar.parallel import GroupCache, LayoutGroups
@@ -73,12 +75,6 @@ from ds_stpar.seqbucket.shards import ParamSpec, Placement, local_shape, tp_piec
 from ds_stpar.seqbucket.switch import SwitchPlanner, switch, switch_grads
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-
-
-def model_key(strategy: Strategy) -> Strategy:
-    """What a layout's model depends on: the strategy without its batch and ZeRO knobs.
-    Buckets whose keys are equal share one model."""
-    return dataclasses.replace(strategy, micro_batch=1, zero=0)
 
 
 def check_strategies(strategies: Sequence[Strategy], edges: Sequence[int]) -> None:
@@ -409,6 +405,15 @@ class BucketRunner:
         dist.all_reduce(grad, group=self.home.groups.tp_group)
         return grad
 
+    @staticmethod
+    def _set_recompute(model: LayoutModel, strategy: Strategy) -> None:
+        """The bucket's recompute on its (possibly shared) megatron-core model."""
+        config = getattr(model.module, "config", None)
+        if strategy.recompute != "selective" and hasattr(config, "recompute_granularity"):
+            from ds_stpar.integrations.megatron import set_full_recompute
+
+            set_full_recompute(config, strategy.recompute)
+
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -471,6 +476,7 @@ class BucketRunner:
             if bucket.num_micro_batches == 0 and i != last:
                 continue
             model = self.models[key]
+            self._set_recompute(model, bucket.strategy)
             self._sync()
             t0 = time.perf_counter()
             if not is_home and key not in self._fresh:
