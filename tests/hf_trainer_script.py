@@ -42,6 +42,8 @@ PLANS = {
     "dp": [(T, Layout(dp=2))],
     "tp": [(T, Layout(tp=2, tp_mode="ring"))],
     "switch": [(T // 2, Layout(tp=2, tp_mode="megatron")), (T, Layout(dp=2))],
+    # the switching plan with the home bucket fully recomputed (gradient checkpointing)
+    "recompute": [(T // 2, Layout(tp=2, tp_mode="megatron")), (T, Layout(dp=2), "full")],
 }
 
 
@@ -93,7 +95,8 @@ def arguments(out: str, **kw) -> TrainingArguments:
 
 def plan_config(layouts, world: int = 2) -> dict:
     buckets = tuple(
-        Bucket(edge, Strategy(layout, micro_batch=1, zero=1)) for edge, layout in layouts
+        Bucket(edge, Strategy(layout, micro_batch=1, zero=1, recompute=rest[0] if rest else "none"))
+        for edge, layout, *rest in layouts
     )
     spec = ModelSpec("tiny-llama", 2, 32, 4, vocab_size=VOCAB)
     cfg = StparConfig(spec, TrainSpec(T, ROWS, "fp32"), buckets, gpus_per_node=world)
@@ -149,10 +152,15 @@ def train(name: str, out: str) -> dict:
     trainer.train()
     trainer.save_model(os.path.join(run_dir, "final"))
     stats = getattr(trainer, "stpar_last_stats", None)
+    models = getattr(trainer, "stpar_models", {})
     return {
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
         "layouts": stats.layouts if stats else None,
         "switches": stats.switches if stats else None,
+        # after the last bucket: which models run with gradient checkpointing
+        "checkpointing": {
+            k.layout.short(): m.module.is_gradient_checkpointing for k, m in models.items()
+        },
     }
 
 
@@ -172,7 +180,7 @@ def errors(out: str) -> dict:
 
 def main() -> None:
     out = sys.argv[1]
-    results = {name: train(name, out) for name in ("ref", "dp", "tp", "switch")}
+    results = {name: train(name, out) for name in ("ref", "dp", "tp", "switch", "recompute")}
     results["errors"] = errors(out)
     if int(os.environ["RANK"]) == 0:
         with open(os.path.join(out, "results.json"), "w", encoding="utf-8") as handle:

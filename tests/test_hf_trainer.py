@@ -1,9 +1,10 @@
 """StparTrainer under ``torchrun --nproc_per_node 2`` (gloo, CPU) against a plain Trainer.
 
-One launch (tests/hf_trainer_script.py, ~30 s on 2 cores) trains the same random tiny
-LlamaForCausalLM for 6 steps four ways: a plain ``transformers.Trainer`` fed the static dp2
-plan's rows ("ref"), and StparTrainer with a static dp2 plan, a static tp2 ring plan and a
-hot-switching plan (bucket 16 in a tp2 Megatron layout, bucket 32 in dp2). All run DeepSpeed
+One launch (tests/hf_trainer_script.py, ~35 s on 2 cores) trains the same random tiny
+LlamaForCausalLM for 6 steps five ways: a plain ``transformers.Trainer`` fed the static dp2
+plan's rows ("ref"), and StparTrainer with a static dp2 plan, a static tp2 ring plan, a
+hot-switching plan (bucket 16 in a tp2 Megatron layout, bucket 32 in dp2) and the same with
+the dp2 bucket fully recomputed (gradient checkpointing, which must not change a number). All run DeepSpeed
 ZeRO-1 with torch SGD (lr 1, no clipping): SGD keeps the weights linear in the gradients,
 whereas Adam normalises each tensor's update and hides a wrong global factor (it hid a 4.8%
 gradient clipping that accelerate had slipped in).
@@ -67,7 +68,7 @@ def test_loss_falls(results) -> None:
         assert len(losses) == 6 and losses[-1] < losses[0] - 0.2, (run, losses)
 
 
-@pytest.mark.parametrize("run", ["dp", "tp", "switch"])
+@pytest.mark.parametrize("run", ["dp", "tp", "switch", "recompute"])
 def test_equals_plain_trainer(results, run: str) -> None:
     data, out = results
     for step, (mine, ref) in enumerate(zip(data[run]["losses"], data["ref"]["losses"])):
@@ -84,6 +85,9 @@ def test_switching_ran_both_layouts(results) -> None:
     assert data["switch"]["layouts"] == ["dp1-tp2-pp1", "dp2-tp1-pp1"]
     assert data["switch"]["switches"] == 2  # weights in, gradients home
     assert data["tp"]["switches"] == 0
+    # the recompute plan: the home (dp2, full) model checkpoints its layers, the tp2 one not
+    assert data["recompute"]["checkpointing"] == {"dp2-tp1-pp1": True, "dp1-tp2-pp1": False}
+    assert data["switch"]["checkpointing"] == {"dp2-tp1-pp1": False, "dp1-tp2-pp1": False}
 
 
 def test_bad_setups_are_one_line_errors(results) -> None:

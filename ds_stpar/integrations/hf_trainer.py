@@ -171,6 +171,11 @@ def _check_plan(cfg: StparConfig) -> None:
         tp = strategy.layout.tp
         if edge % tp:  # apply_stpar scatters every sequence over the TP group
             raise ConfigError(f"bucket {edge}: TP={tp} needs the edge to be a multiple of {tp}")
+        if strategy.recompute == "selective":
+            raise ConfigError(
+                f"bucket {edge}: selective recompute is megatron-core's; a transformers model "
+                "recomputes whole layers (gradient checkpointing): use recompute none or full"
+            )
 
 
 # --------------------------------------------------------------------------------------
@@ -281,6 +286,16 @@ class HFBucketRunner(BucketRunner):
         # tied_embeddings: read by the Megatron descriptors only (an HF tied pair is one
         # parameter, replicated)
         super().__init__(engine, models, home, tokens, pad_id, False, gpus_per_node, specs)
+
+    @staticmethod
+    def _set_recompute(model: LayoutModel, strategy: Strategy) -> None:
+        """Full recompute = transformers' gradient checkpointing of every decoder layer
+        (non-reentrant), switched per bucket on the shared model."""
+        module = model.module
+        if strategy.recompute == "full" and not module.is_gradient_checkpointing:
+            module.gradient_checkpointing_enable({"use_reentrant": False})
+        elif strategy.recompute != "full" and module.is_gradient_checkpointing:
+            module.gradient_checkpointing_disable()
 
     def _loss(self, module, model: LayoutModel, mb: MicroBatch, num_targets: int):
         """Packed rows through the HF forward; sum of token losses / the mini-batch's count."""
