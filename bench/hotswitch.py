@@ -39,9 +39,12 @@ import sys
 def gpu_preset() -> str:
     import torch
 
+    from ds_stpar.planner.profile import preset_for
+
     if not torch.cuda.is_available():
         return "h100-80g"  # a CPU smoke run: the planner's numbers mean nothing there
-    return "h200-141g" if "H200" in torch.cuda.get_device_name() else "h100-80g"
+    props = torch.cuda.get_device_properties(0)
+    return preset_for(props.name, props.total_memory) or "h100-80g"
 
 
 def plan_commands(args: argparse.Namespace, corpus: str, gpu: str) -> dict[str, list[str]]:

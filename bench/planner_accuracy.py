@@ -306,12 +306,15 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         raise SystemExit("bench/planner_accuracy.py needs CUDA GPUs")
+    from ds_stpar.planner.profile import preset_for
+
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl")
     device = torch.device("cuda", local_rank)
     world = dist.get_world_size()
-    gpu_name = args.gpu or ("h200-141g" if "H200" in torch.cuda.get_device_name() else "h100-80g")
+    props = torch.cuda.get_device_properties(device)
+    gpu_name = args.gpu or preset_for(props.name, props.total_memory) or "h100-80g"
     cases = GPU_CASES
     if args.only:
         cases = [cases[i] for i in args.only]

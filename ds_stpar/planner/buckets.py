@@ -100,6 +100,7 @@ evaluated directly with the cost model (:meth:`_Planner.timing`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import itertools
 import math
@@ -568,6 +569,12 @@ class _Option:
     update_slope: float = 0.0
     shared_active_gib: float = 0.0  # a non-home option run on the home model (DP buffers too)
 
+    @functools.cached_property
+    def key(self) -> Strategy:
+        """The model this option runs on (:func:`~ds_stpar.config.model_key`), computed once:
+        the search compares keys for every combination it examines."""
+        return model_key(self.strategy)
+
     def seconds(self, stats: PackStats) -> tuple[float, float, float]:
         """(forward + backward seconds, micro-batches per rank, attention ratio) of a bucket."""
         m = bucket_micro_batches(stats.rows, self.strategy)
@@ -729,7 +736,7 @@ class _Planner:
     def bucket_active_gib(h: _Option, o: _Option) -> float:
         """Memory a non-home bucket adds while it runs: on the home model (its key equal to
         the home's) with the home's DP buffers, otherwise its own layout's."""
-        if model_key(o.strategy) == model_key(h.strategy):
+        if o.key == h.key:
             return o.shared_active_gib
         return o.active_gib
 
@@ -753,7 +760,7 @@ class _Planner:
         lists = [
             self.ranked(lo, hi, away_options[hi]) for lo, hi in zip((0, *edge_set[:-1]), edge_set)
         ]
-        home_key = model_key(h.strategy)
+        home_key = h.key
         best = None
         start = (0,) * len(lists)
         heap = [(sum(lst[0][0] for lst in lists), start)]
@@ -771,8 +778,8 @@ class _Planner:
                     step = lists[k][nxt[k]][0] - lists[k][index[k]][0]
                     heapq.heappush(heap, (total + step, nxt))
             chosen = [lists[k][i][1] for k, i in enumerate(index)]
-            own = [o for o in chosen if model_key(o.strategy) != home_key]
-            if len({model_key(o.strategy) for o in own}) < len(own):
+            own = [o for o in chosen if o.key != home_key]
+            if len({o.key for o in own}) < len(own):
                 continue
             active = max([h.active_gib] + [self.bucket_active_gib(h, o) for o in chosen])
             if self.resident_gib(h, own) + active > self.capacity:
@@ -935,8 +942,7 @@ class _Planner:
             )
         home, edge_set, away = found
         bounds = (0, *edge_set, seq_len)
-        home_key = model_key(home.strategy)
-        resident = self.resident_gib(home, [o for o in away if model_key(o.strategy) != home_key])
+        resident = self.resident_gib(home, [o for o in away if o.key != home.key])
         buckets = []
         switch_total = update = 0.0
         for (lo, hi), option in zip(zip(bounds, bounds[1:]), (*away, home)):
@@ -944,7 +950,7 @@ class _Planner:
             _, m, ratio = option.seconds(stats)
             s = option.strategy
             timing = self.timing(hi, s, m, ratio)
-            shared = option is not home and model_key(s) == home_key
+            shared = option is not home and option.key == home.key
             switch = 0.0 if option is home or shared else sum(self.switch(home.strategy, s))
             switch_total += switch
             if shared:  # runs on the home model, under the home's DeepSpeed engine

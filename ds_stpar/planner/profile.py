@@ -362,7 +362,7 @@ COLLECTIVE_MIB = 256
 COLLECTIVE_CALLS = 20  # the same on every rank: a collective's call count must match
 
 
-def _preset_for(device_name: str, total_bytes: int) -> str | None:
+def preset_for(device_name: str, total_bytes: int) -> str | None:
     """Our GPU preset for a CUDA device name, e.g. "NVIDIA H100 80GB HBM3" -> h100-80g."""
     name = device_name.lower()
     for token, preset in (("h200", "h200-141g"), ("h100", "h100-80g")):
@@ -480,7 +480,7 @@ def measure(device: Any = None) -> Profile:
         )
     device = torch.device(device if device is not None else f"cuda:{torch.cuda.current_device()}")
     props = torch.cuda.get_device_properties(device)
-    preset = _preset_for(props.name, props.total_memory)
+    preset = preset_for(props.name, props.total_memory)
     profile = Profile(
         gpu=preset or props.name,
         peak_tflops=GPU_PRESETS[preset].peak_tflops if preset else 0.0,
