@@ -123,3 +123,16 @@ def test_planned_scheduler_gives_way_to_training_arguments(tmp_path) -> None:
     assert (params["total_num_steps"], params["warmup_num_steps"]) == (1000, 10)
     with pytest.raises(ValueError, match="total_num_steps"):  # what the "auto"s prevent
         finalized(engine_config(ds, cfg))
+
+
+def test_selective_recompute_is_refused_with_one_line() -> None:
+    # transformers models recompute whole layers only; a plan asking for megatron-core's
+    # selective recompute must be refused before any model is sharded
+    from ds_stpar.config import Bucket, Layout, ModelSpec, StparConfig, Strategy, TrainSpec
+    from ds_stpar.errors import ConfigError
+    from ds_stpar.integrations.hf_trainer import _check_plan
+
+    bucket = Bucket(32, Strategy(Layout(dp=2), recompute="selective"))
+    cfg = StparConfig(ModelSpec("m", 2, 32, 4, vocab_size=64), TrainSpec(32, 4), (bucket,))
+    with pytest.raises(ConfigError, match="bucket 32: selective recompute is megatron-core's"):
+        _check_plan(cfg)
