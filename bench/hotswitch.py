@@ -15,7 +15,8 @@ for the same model, corpus, context and tokens per step:
   whose short edge is at least ``--edge``, even when it is predicted slower than static -- it
   checks the prediction where bucketing does not pay.
 
-Each plan runs ``--steps`` optimizer steps through the DeepSpeed launcher on the same corpus
+Each plan runs ``--steps`` optimizer steps through the DeepSpeed launcher (``--num_gpus``, or
+``--launcher-args`` to pick GPUs and a port for a second run beside the first) on the same corpus
 (``--stdlib-files`` of the Python standard library, written once as JSON lines; or ``--data``).
 The table compares, per plan, the planner's predicted step and switch time (the switch planner's
 bandwidth bound) with the measured medians of ``metrics.jsonl`` (the first step excluded: it
@@ -79,7 +80,8 @@ def layouts(report: dict) -> str:
 
 def train(name: str, report: dict, args: argparse.Namespace, corpus: str) -> dict | None:
     run_dir = os.path.join(args.out, name, "run")
-    cmd = ["deepspeed", "--num_gpus", str(args.gpus), "launch/pretrain.py"]
+    launcher = shlex.split(args.launcher_args) or ["--num_gpus", str(args.gpus)]
+    cmd = ["deepspeed", *launcher, "launch/pretrain.py"]
     cmd += ["--config", report["config"], "--data", corpus, "--steps", str(args.steps)]
     cmd += ["--out", run_dir]
     with open(os.path.join(args.out, f"{name}.log"), "w") as log:
@@ -99,6 +101,7 @@ def summarize(metrics_path: str) -> dict:
         "step_s": step,
         "switch_s": statistics.median(r["switch_s"] for r in timed),
         "tokens_per_s": statistics.median(r["tokens"] for r in timed) / step,
+        "peak_gib": max((r.get("peak_gib") or 0.0) for r in rows),
         "loss_first": rows[0]["loss"],
         "loss_last": rows[-1]["loss"],
     }
@@ -107,7 +110,7 @@ def summarize(metrics_path: str) -> dict:
 def table(label: str, gpu: str, reports: dict, measured: dict) -> str:
     head = (
         "| link | plan | buckets (edge: strategy) | step s pred | meas | err | switch s bound "
-        "| meas | tokens/s | speedup pred | meas |"
+        "| meas | tokens/s | speedup pred | meas | peak GiB pred (total) | meas (allocated) |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     base_pred = reports["static"]["bucketed_step_s"]
@@ -115,9 +118,11 @@ def table(label: str, gpu: str, reports: dict, measured: dict) -> str:
     for name, rep in reports.items():
         m = measured.get(name)
         pred = rep["bucketed_step_s"]
+        peak_pred = max(b["peak_memory_gib"] for b in rep["buckets"])
         if m is None:
-            meas = err = sw = tps = speed = "failed"
+            meas = err = sw = tps = speed = peak = "failed"
         else:
+            peak = f"{m['peak_gib']:.1f}"
             meas = f"{m['step_s']:.3f}"
             err = f"{pred / m['step_s'] - 1:+.1%}"
             sw = f"{m['switch_s']:.3f}"
@@ -125,7 +130,8 @@ def table(label: str, gpu: str, reports: dict, measured: dict) -> str:
             speed = f"{base_meas / m['step_s']:.3f}x" if base_meas else "n/a"
         lines.append(
             f"| {label} | {name} | {layouts(rep)} | {pred:.3f} | {meas} | {err} "
-            f"| {rep['switch_s']:.3f} | {sw} | {tps} | {base_pred / pred:.3f}x | {speed} |"
+            f"| {rep['switch_s']:.3f} | {sw} | {tps} | {base_pred / pred:.3f}x | {speed} "
+            f"| {peak_pred:.1f} | {peak} |"
         )
     return f"planner preset {gpu}\n" + "\n".join(lines)
 
@@ -147,6 +153,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stdlib-files", type=int, default=0, help="0: every file")
     parser.add_argument("--plans", default="static,planned,bucketed")
     parser.add_argument("--label", default="nvlink")
+    parser.add_argument(
+        "--launcher-args",
+        default="",
+        help="deepspeed launcher arguments instead of --num_gpus (e.g. "
+        '"--include localhost:2,3 --master_port 29600" for a second run beside the first)',
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)

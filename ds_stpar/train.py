@@ -251,6 +251,8 @@ def metrics_row(step: int, stats, flops: float, world: int, gpu: str, lr: float)
     peak = GPU_PRESETS[gpu].peak_tflops if gpu in GPU_PRESETS else None
     row["mfu"] = row["tflops"] / peak if torch.cuda.is_available() and peak else None
     row["lr"] = lr
+    cuda = torch.cuda.is_available()
+    row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     return row
 
 

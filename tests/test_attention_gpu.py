@@ -56,15 +56,18 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-@pytest.mark.parametrize("heads, groups", [(8, 8), (8, 2)])
-def test_varlen_kernel_equals_documents_attended_alone(heads, groups):
+@pytest.mark.parametrize(
+    "heads, groups, dim",
+    [(8, 8, 128), (8, 2, 128), (8, 8, 100)],  # 100: OpenLLaMA-3B's, padded for the kernel
+)
+def test_varlen_kernel_equals_documents_attended_alone(heads, groups, dim):
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from ds_stpar.layers import megatron_modules as mm
 
     assert mm.VARLEN_ATTN is not None, "this PyTorch has no torch.nn.attention.varlen"
     torch.manual_seed(0)
-    dim, bounds = 128, [0, 700, 713, 1500, 2048, 4096]
+    bounds = [0, 700, 713, 1500, 2048, 4096]
     t = bounds[-1]
     q = torch.randn(t, heads, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(t, groups, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -68,7 +68,9 @@ def _param_count_and_ce(rank: int, world: int) -> None:
     labels = torch.randint(0, 40, (3, 5))
     labels[0, 1] = -100
     shard = full.chunk(world, dim=-1)[rank].clone().float().requires_grad_()
+    before = shard.detach().clone()
     losses = vocab_parallel_cross_entropy(shard, labels, group=cache.get(Layout(tp=world)).tp_group)
+    assert torch.equal(shard.detach(), before), "the in-place softmax must work on its own copy"
     ref_full = full.clone().requires_grad_()
     ref = F.cross_entropy(ref_full.reshape(-1, 40), labels.reshape(-1), reduction="none").reshape(
         3, 5

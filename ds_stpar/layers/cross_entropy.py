@@ -10,6 +10,13 @@ where the max, the sum of exponentials and the target logit are each one all-red
 group. Gradient: ``softmax(z) - onehot(y)`` on each rank's slice. Tokens whose label is
 ``ignore_index`` get loss 0 and no gradient. Returns per-token losses (no reduction): the
 caller divides the sum by the mini-batch's target-token count (see seqbucket.loss).
+
+Memory, per logit: the caller's logits (e bytes) and one fp32 copy that the forward turns into
+the softmax in place and the backward into the gradient in place -- e + 4 bytes, as
+megatron-core's own vocab-parallel cross entropy and as the planner counts it
+(``planner.cost.head_bytes_per_logit``). Out-of-place steps would hold four fp32 copies at once:
+at 4 x 32K tokens and a 32K vocabulary that is 62 GiB instead of 23. Because the backward
+reuses the saved softmax, the graph cannot be run backward twice (``retain_graph``).
 """
 
 from __future__ import annotations
@@ -24,40 +31,40 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, labels: Tensor, group, ignore_index: int) -> Tensor:
-        logits = logits.float()
+        # one fp32 copy of our own (a clone when the logits are fp32 already), worked in place
+        work = logits.float() if logits.dtype != torch.float32 else logits.clone()
         world = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if group is not None else 0
-        vocab_local = logits.shape[-1]
+        vocab_local = work.shape[-1]
         start = rank * vocab_local
 
-        logits_max = logits.max(dim=-1).values
+        logits_max = work.max(dim=-1).values
         if world > 1:
             dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - logits_max.unsqueeze(-1)
+        work.sub_(logits_max.unsqueeze(-1))  # shifted logits z - m
 
         valid = labels != ignore_index
         local_target = labels - start
         in_range = valid & (local_target >= 0) & (local_target < vocab_local)
         index = torch.where(in_range, local_target, torch.zeros_like(local_target))
-        target_logit = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1) * in_range
+        target_logit = work.gather(-1, index.unsqueeze(-1)).squeeze(-1) * in_range
 
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
+        work.exp_()
+        sum_exp = work.sum(dim=-1)
         if world > 1:
             dist.all_reduce(target_logit, group=group)
             dist.all_reduce(sum_exp, group=group)
         loss = (sum_exp.log() - target_logit) * valid
 
-        softmax = exp / sum_exp.unsqueeze(-1)
-        ctx.save_for_backward(softmax, index, in_range, valid)
+        work.div_(sum_exp.unsqueeze(-1))  # softmax
+        ctx.save_for_backward(work, index, in_range, valid)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor):
-        softmax, index, in_range, valid = ctx.saved_tensors
-        grad = softmax
+        grad, index, in_range, valid = ctx.saved_tensors  # the softmax, turned into dz in place
         grad.scatter_add_(-1, index.unsqueeze(-1), -in_range.unsqueeze(-1).to(grad.dtype))
-        grad = grad * (grad_loss * valid).unsqueeze(-1)
+        grad.mul_((grad_loss * valid).unsqueeze(-1))
         return grad, None, None, None
 
 

@@ -130,6 +130,7 @@ def _varlen_kernel():
 
 VARLEN_ATTN = _varlen_kernel()
 VARLEN_PARAMS = set(inspect.signature(VARLEN_ATTN).parameters) if VARLEN_ATTN else set()
+VARLEN_HEAD_DIM_MULTIPLE = 8  # the flash kernel's requirement ("ensured by padding")
 
 
 def varlen_usable(query: Tensor, dropout: float) -> bool:
@@ -153,10 +154,17 @@ def varlen_causal(
 
     ``q`` [1, n, t, d], ``k``/``v`` [1, g, t, d] (the ``[b, heads, s, d]`` view of the caller)
     -> [1, n, t, d]. The kernel takes [t, heads, d]; GQA groups are repeated when this
-    PyTorch's kernel does not broadcast them itself."""
+    PyTorch's kernel does not broadcast them itself. The flash kernel needs d to be a multiple
+    of 8: other head dims (OpenLLaMA-3B's 100) are zero-padded to the next multiple, which
+    leaves q.k and the output's first d columns unchanged, with the scale fixed to the real
+    d's 1/sqrt(d) (the kernel's default would use the padded one)."""
+    dim = q.shape[-1]
+    pad = -dim % VARLEN_HEAD_DIM_MULTIPLE
+    if pad:
+        q, k, v = (F.pad(x, (0, pad)) for x in (q, k, v))
     qt, kt, vt = (x[0].transpose(0, 1) for x in (q, k, v))  # [t, heads, d]
     heads, groups = qt.shape[1], kt.shape[1]
-    kwargs = {"scale": scale}
+    kwargs = {"scale": scale if scale is not None else dim**-0.5}
     if groups != heads:
         if "enable_gqa" in VARLEN_PARAMS:
             kwargs["enable_gqa"] = True
@@ -173,7 +181,7 @@ def varlen_causal(
         longest = max(b - a for a, b in zip(bounds, bounds[1:]))
     longest = int(longest)
     out = VARLEN_ATTN(qt, kt, vt, cu, cu, longest, longest, **kwargs)
-    return out.transpose(0, 1).unsqueeze(0)
+    return out[..., :dim].transpose(0, 1).unsqueeze(0)
 
 
 class SequenceParallelNorm:
