@@ -31,8 +31,6 @@ Variants (named for any P; before P was general they were ``megatron-tp2-sp`` an
   forward and fc1's dX; fc1 keeps the gathered input for its dW (as the compiled async-TP
   does). "n/a" when the ops are missing or fail, and for the layer (no layer spec for it).
 - ``ring``: ds_stpar TemporalColumnParallelLinear/TemporalRowParallelLinear, tp_mode="ring".
-- ``ring-pieces``: the same with every hop cut into ``--ring-pieces`` row pieces (default 4),
-  each sub-GEMM starting when its piece has arrived (``ring_pieces``).
 - ``cannon``: the same layers with tp_mode="cannon" (a q x q torus, P = q*q; "n/a (P not a
   square)" for P = 2, 8). Same boundary layouts as Megatron SP (column [s/P, b, K] ->
   [s, b, N/P], row [s, b, K/P] -> [s/P, b, N]); the re-layouts to and from the torus blocks
@@ -96,21 +94,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-VARIANTS = (
-    "megatron-sp",
-    "megatron",
-    "no-comm",
-    "async-tp",
-    "ring",
-    "ring-pieces",
-    "cannon",
-    "one-gpu",
-)
+VARIANTS = ("megatron-sp", "megatron", "no-comm", "async-tp", "ring", "cannon", "one-gpu")
 REFERENCE = "megatron-sp"
 # compared with REFERENCE before timing (no-comm computes a different function); async-tp last
-CHECKED = ("megatron", "ring", "ring-pieces", "cannon", "one-gpu", "async-tp")
-SEQUENCE_PARALLEL = ("megatron-sp", "async-tp", "ring", "ring-pieces", "cannon")  # [s/P, b, h]
-RING_PIECES = {"ring-pieces": 4}  # set by --ring-pieces
+CHECKED = ("megatron", "ring", "cannon", "one-gpu", "async-tp")
+SEQUENCE_PARALLEL = ("megatron-sp", "async-tp", "ring", "cannon")  # input [s/P, b, h]
 ALIASES = {"megatron-tp2-sp": "megatron-sp", "megatron-tp2": "megatron"}  # the P=2 names
 CHECK_TOL = 2e-2
 BLOCKS = ("mlp", "layer")
@@ -560,13 +548,7 @@ def _pg_collection(tp_group: dist.ProcessGroup):
 
 
 def _tp_mode(variant: str) -> str:
-    if variant == "ring-pieces":
-        return "ring"
     return variant if variant in ("ring", "cannon") else "megatron"
-
-
-def _pieces(variant: str) -> int:
-    return RING_PIECES.get(variant, 1)
 
 
 def build_mlp(variant: str, case: Case, rt: Runtime, async_name: str | None) -> Built:
@@ -575,7 +557,7 @@ def build_mlp(variant: str, case: Case, rt: Runtime, async_name: str | None) -> 
     from ds_stpar.layers import TemporalColumnParallelLinear, TemporalRowParallelLinear
 
     h, group, size, tp_shard = case.hidden, rt.tp_group, rt.size, (rt.rank, rt.size)
-    if variant in ("megatron-sp", "megatron", "ring", "ring-pieces", "cannon"):
+    if variant in ("megatron-sp", "megatron", "ring", "cannon"):
         sp, mode = variant != "megatron", _tp_mode(variant)
         cfg = _config(case, size, mode, sp)
         column, row = (
@@ -583,7 +565,7 @@ def build_mlp(variant: str, case: Case, rt: Runtime, async_name: str | None) -> 
             if mode != "megatron"
             else (ColumnParallelLinear, RowParallelLinear)
         )
-        extra = {"tp_mode": mode, "ring_pieces": _pieces(variant)} if mode != "megatron" else {}
+        extra = {"tp_mode": mode} if mode != "megatron" else {}
         fc1 = column(
             h,
             4 * h,
@@ -636,7 +618,7 @@ def build_layer(variant: str, case: Case, rt: Runtime) -> Built:
         cfg = _config(case, rt.size, mode, sp)
         group = rt.tp_group
     layer = build_module(
-        get_gpt_layer_stpar_spec(mode, group, _pieces(variant)),
+        get_gpt_layer_stpar_spec(mode, group),
         config=cfg,
         layer_number=1,
         pg_collection=_pg_collection(group),
@@ -1004,12 +986,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=list(VARIANTS),
         help=f"any of {', '.join(VARIANTS)} (old names: {', '.join(ALIASES)})",
     )
-    parser.add_argument(
-        "--ring-pieces",
-        type=int,
-        default=RING_PIECES["ring-pieces"],
-        help="row pieces per hop of the ring-pieces variant",
-    )
     parser.add_argument("--seq", type=int, default=4096, help="layer sequence length")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=10, help="timed steps per variant")
@@ -1024,14 +1000,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--cpu", action="store_true", help="gloo on CPU (smoke test only)")
     args = parser.parse_args(argv)
-    RING_PIECES["ring-pieces"] = args.ring_pieces
-    if (
-        min(args.ring_pieces, args.repeats, args.pool, args.seq, args.head_dim) < 1
-        or args.warmup < 0
-    ):
-        parser.error(
-            "--ring-pieces, --repeats, --pool, --seq, --head-dim must be >= 1 and --warmup >= 0"
-        )
+    if min(args.repeats, args.pool, args.seq, args.head_dim) < 1 or args.warmup < 0:
+        parser.error("--repeats, --pool, --seq, --head-dim must be >= 1 and --warmup >= 0")
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; init_runtime checks it again
     if world < 2:
         parser.error("run under torchrun with --nproc_per_node >= 2 (the TP size P)")

@@ -70,29 +70,21 @@ def _check_gather_scatter(group, tag: int) -> None:
     assert torch.equal(x.grad, torch.cat([_data(tag + 300 + e, (2, 3)) for e in range(size)]))
 
 
-def _check_ring_pass_both_streams(group, tag: int, pieces: int = 1) -> None:
-    """Rotating chunk and rotating accumulator in the same batches (the column backward),
-    each hop whole or cut into uneven row pieces (5 rows in 3 pieces: 1, 2, 2)."""
+def _check_ring_pass_both_streams(group, tag: int) -> None:
+    """Rotating chunk and rotating accumulator in the same batches (the column backward)."""
     size, me = group.size(), group.rank()
-    seen: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
-    order = []
+    seen = []
     total = ring_pass(
         group,
-        rotate=_data(tag + me, (5, 2)),
-        visit=lambda c, lo, hi, piece: (
-            order.append(c),
-            seen.setdefault(c, []).append((lo, hi, piece.clone())),
-        ),
-        partial=lambda m, lo, hi: _data(tag + 70 + me, (5 * size, 2))[5 * m + lo : 5 * m + hi],
-        pieces=pieces,
+        rotate=_data(tag + me, (2, 2)),
+        visit=lambda c, chunk: seen.append((c, chunk.clone())),
+        partial=lambda m: _data(tag + 70 + me, (2 * size, 2))[2 * m : 2 * m + 2],
     )
-    per_chunk = min(pieces, 5)
-    assert order == [(me + t) % size for t in range(size) for _ in range(per_chunk)]
-    for c, parts in seen.items():
-        assert [hi - lo for lo, hi, _ in parts] == ([5] if pieces == 1 else [1, 2, 2])
-        assert torch.equal(torch.cat([p for _, _, p in parts]), _data(tag + c, (5, 2))), c
-    expect = sum(_data(tag + 70 + e, (5 * size, 2))[5 * me : 5 * me + 5] for e in range(size))
-    assert torch.equal(total, expect), f"rotating accumulator, {pieces} pieces"
+    assert [c for c, _ in seen] == [(me + t) % size for t in range(size)]
+    for c, chunk in seen:
+        assert torch.equal(chunk, _data(tag + c, (2, 2))), f"rotated chunk {c}"
+    expect = sum(_data(tag + 70 + e, (2 * size, 2))[2 * me : 2 * me + 2] for e in range(size))
+    assert torch.equal(total, expect), "rotating accumulator"
 
 
 def _check_torus_shift(group, tag: int) -> None:
@@ -185,8 +177,6 @@ def _comm_worker(rank: int, world_size: int) -> None:
     _check_gather_scatter(strided, 5000 + tag)
     _check_ring_pass_both_streams(world, 7000)
     _check_ring_pass_both_streams(strided, 8000 + tag)
-    _check_ring_pass_both_streams(world, 7100, pieces=3)
-    _check_ring_pass_both_streams(strided, 8100 + tag, pieces=3)
     _check_torus_shift(world, 10_000)
     _check_exchange(world, 11_000)
     _check_exchange(strided, 12_000 + tag)

@@ -105,7 +105,7 @@ def _set_bias(layer, ref, cols: torch.Tensor | None) -> None:
         layer.bias.copy_(ref.bias[cols] if cols is not None else ref.bias)
 
 
-def _column(group, mode, seed, *, out=FFN, stride=1, skip_bias_add=False, fusion=False, pieces=1):
+def _column(group, mode, seed, *, out=FFN, stride=1, skip_bias_add=False, fusion=False):
     torch.manual_seed(seed)
     return TemporalColumnParallelLinear(
         HIDDEN,
@@ -117,11 +117,10 @@ def _column(group, mode, seed, *, out=FFN, stride=1, skip_bias_add=False, fusion
         skip_bias_add=skip_bias_add,
         tp_group=group,
         tp_mode=mode,
-        ring_pieces=pieces,
     )
 
 
-def _row(group, mode, seed, *, inp=FFN, skip_bias_add=False, fusion=False, pieces=1):
+def _row(group, mode, seed, *, inp=FFN, skip_bias_add=False, fusion=False):
     torch.manual_seed(seed)
     return TemporalRowParallelLinear(
         inp,
@@ -134,7 +133,6 @@ def _row(group, mode, seed, *, inp=FFN, skip_bias_add=False, fusion=False, piece
         keep_master_weight_for_test=True,
         tp_group=group,
         tp_mode=mode,
-        ring_pieces=pieces,
     )
 
 
@@ -142,13 +140,9 @@ def _seq_chunk(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     return t.chunk(size, dim=0)[rank]
 
 
-def check_column(
-    group, mode, seed, *, stride=1, skip_bias_add=False, fusion=False, pieces=1
-) -> None:
+def check_column(group, mode, seed, *, stride=1, skip_bias_add=False, fusion=False) -> None:
     size, me = group.size(), group.rank()
-    layer = _column(
-        group, mode, seed, stride=stride, skip_bias_add=skip_bias_add, fusion=fusion, pieces=pieces
-    )
+    layer = _column(group, mode, seed, stride=stride, skip_bias_add=skip_bias_add, fusion=fusion)
     ref = _reference(layer, seed + 1)
     cols = _megatron_index(FFN, size, stride, me)
     _set_bias(layer, ref, cols)
@@ -159,10 +153,7 @@ def check_column(
     x_full = _rand(seed + 2, S, B, HIDDEN).requires_grad_()
     x = _seq_chunk(x_full.detach(), me, size).float().requires_grad_()
     y, y_bias = layer(x)
-    what = (
-        f"column {mode} P={size} stride={stride} skip_bias_add={skip_bias_add} fusion={fusion} "
-        f"pieces={pieces}"
-    )
+    what = f"column {mode} P={size} stride={stride} skip_bias_add={skip_bias_add} fusion={fusion}"
     if skip_bias_add:
         assert y_bias is layer.bias, what
         _close(y, F.linear(x_full, ref.weight)[..., cols].detach(), f"{what}: output")
@@ -187,9 +178,9 @@ def check_column(
     _close(layer.bias.grad, ref.bias.grad[cols], f"{what}: bias grad")
 
 
-def check_row(group, mode, seed, *, skip_bias_add=False, fusion=False, pieces=1) -> None:
+def check_row(group, mode, seed, *, skip_bias_add=False, fusion=False) -> None:
     size, me = group.size(), group.rank()
-    layer = _row(group, mode, seed, skip_bias_add=skip_bias_add, fusion=fusion, pieces=pieces)
+    layer = _row(group, mode, seed, skip_bias_add=skip_bias_add, fusion=fusion)
     ref = _reference(layer, seed + 1)
     _set_bias(layer, ref, None)
     if fusion:  # without grad_added_to_main_grad Megatron returns no weight gradient at all
@@ -198,7 +189,7 @@ def check_row(group, mode, seed, *, skip_bias_add=False, fusion=False, pieces=1)
     x_full = _rand(seed + 2, S, B, FFN).requires_grad_()
     x = x_full.detach()[..., cols].float().requires_grad_()
     y, y_bias = layer(x)
-    what = f"row {mode} P={size} skip_bias_add={skip_bias_add} fusion={fusion} pieces={pieces}"
+    what = f"row {mode} P={size} skip_bias_add={skip_bias_add} fusion={fusion}"
     if skip_bias_add:
         assert y_bias is layer.bias, what
         y = y + y_bias
@@ -372,9 +363,6 @@ def check_errors(group) -> None:
             _column(group, "cannon", 5)
     with pytest.raises(ConfigError, match="ColumnParallelLinear"):
         _column(group, "megatron", 5)
-    for mode, pieces in (("ring", 0), ("cannon", 2)):
-        with pytest.raises(ConfigError, match="ring_pieces"):
-            _row(group, mode, 5, pieces=pieces)
     layer = _column(group, "ring", 5, fusion=True)
     with pytest.raises(ConfigError, match="main_grad"):
         layer(torch.zeros(S // size, B, HIDDEN))
@@ -426,11 +414,6 @@ def _all_layer_checks(group, mode, seed) -> None:
     check_megatron_weights(group, mode, seed + 1000)
     if mode == "ring":
         check_external_weight(group, seed + 1100)
-        # hops cut into 3 row pieces (uneven: 4 local token rows at P=4, 8 at P=2)
-        check_column(group, mode, seed + 1200, pieces=3)
-        check_column(group, mode, seed + 1300, fusion=True, pieces=3)
-        check_row(group, mode, seed + 1400, pieces=3)
-        check_row(group, mode, seed + 1500, fusion=True, pieces=3)
 
 
 def _worker(rank: int, world_size: int) -> None:

@@ -83,14 +83,10 @@ class PendingP2P:
         self._stream = stream
 
     def wait(self) -> list[Tensor]:
-        """Complete the transfers (on CUDA: order the current stream after them); a second
-        call returns at once."""
-        if self._works is not None:
-            for work in self._works:
-                work.wait()
-            if self._stream is not None:
-                torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
-            self._works = None
+        for work in self._works:
+            work.wait()
+        if self._stream is not None:
+            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
         return self._received
 
 
@@ -122,93 +118,54 @@ def start_p2p(sends: Sequence[Message], recvs: Sequence[Message], group: Group) 
     return PendingP2P(works, received, stream)
 
 
-def piece_bounds(rows: int, pieces: int) -> list[tuple[int, int]]:
-    """Row ranges ``[lo, hi)`` cutting ``rows`` into ``min(pieces, rows)`` near-equal pieces."""
-    if pieces < 1:
-        raise ConfigError(f"ring pieces must be >= 1, got {pieces}")
-    count = max(1, min(pieces, rows))
-    cuts = [rows * i // count for i in range(count + 1)]
-    return list(zip(cuts[:-1], cuts[1:]))
-
-
 def ring_pass(
     group: Group,
     *,
     rotate: Tensor | None = None,
-    visit: Callable[[int, int, int, Tensor], None] | None = None,
-    partial: Callable[[int, int, int], Tensor] | None = None,
-    rows: int | None = None,
-    pieces: int = 1,
+    visit: Callable[[int, Tensor], None] | None = None,
+    partial: Callable[[int], Tensor] | None = None,
 ) -> Tensor | None:
-    """P steps around the ring of ``group``, each hop cut into ``pieces`` row ranges.
+    """P steps around the ring of ``group``; at most one hop per step per stream of data.
 
-    ``rotate`` is this rank's chunk d (``rows`` = its dim 0). At step t the chunk
-    c = (d+t) % P is here; ``visit(c, lo, hi, piece)`` runs for its rows ``[lo, hi)`` while
-    the chunk travels on to d-1 (the chunk of d+1 arrives).
+    ``rotate`` is this rank's chunk d. At step t the chunk c = (d+t) % P is here and
+    ``visit(c, chunk)`` runs while the chunk travels on to d-1 (the chunk of d+1 arrives).
 
-    ``partial(m, lo, hi)`` gives this rank's contribution to rows ``[lo, hi)`` of the sum for
-    chunk m (``rows`` must be given when nothing rotates). At step t it is called for
-    m = (d+t+1) % P, the partial sum received from d+1 is added, and the result goes to d-1;
-    the last step yields the complete sum for chunk d, which is returned. One batch per piece
-    carries both streams.
-
-    Pieces. A hop of one batch cannot start the computation that needs it before the whole
-    chunk has arrived; with pieces, the sub-GEMM of piece j runs as soon as piece j is here
-    while pieces j+1.. are still in flight, so only about one piece's transfer stays exposed
-    when the link is slower than the GEMMs (at P = 2 a pass has a single hop, and without
-    pieces the received half of the work waits for all of it). Every piece is its own batch on
-    the side stream, in order, each with its own event for the compute stream. More pieces
-    cost one NCCL launch and one smaller GEMM each.
+    ``partial(m)`` gives this rank's contribution to the sum for chunk m. At step t it is
+    called for m = (d+t+1) % P (while the previous hop is in flight), the partial sum received
+    from d+1 is added, and the result goes to d-1; the last step yields the complete sum for
+    chunk d, which is returned. One batch per step carries both streams.
     """
     size, me = group.size(), group.rank()
     left, right = (me - 1) % size, (me + 1) % size
-    if rotate is not None:
-        rows = rotate.shape[0]
-    if rows is None:
-        raise ValueError("ring_pass needs rows= when nothing rotates")
-    cuts = piece_bounds(rows, pieces)
     spares = (
         [torch.empty_like(rotate) for _ in range(min(2, size - 1))] if rotate is not None else []
     )
-    received_sums: Tensor | None = None  # partial sums from d+1, one piece range at a time
-    result: Tensor | None = None
-    chunk, pending = rotate, [None] * len(cuts)
+    acc_buffer: Tensor | None = None
+    chunk, total, pending = rotate, None, None
     for step in range(size):
-        here, last = (me + step) % size, step == size - 1
-        incoming = spares[step % 2] if rotate is not None and not last else None
-        launched: list[PendingP2P | None] = [None] * len(cuts)
-        for j, (lo, hi) in enumerate(cuts):
-            sends, recvs = [], []
+        here = (me + step) % size
+        if partial is not None:
+            total = partial((here + 1) % size)
+        if pending is not None:
+            received = pending.wait()
+            if rotate is not None:
+                chunk = received.pop(0)
             if partial is not None:
-                total = partial((here + 1) % size, lo, hi)
-                if last and result is None:
-                    result = total.new_empty((rows, *total.shape[1:]))
-                if step > 0:
-                    pending[j].wait()
-                    out = result[lo:hi] if last else None
-                    total = torch.add(total, received_sums[lo:hi], out=out)
-                elif last:  # a group of one
-                    result[lo:hi].copy_(total)
-                if not last:
-                    if received_sums is None:
-                        received_sums = total.new_empty((rows, *total.shape[1:]))
-                    sends.append(Message(total.contiguous(), left, 2 * j + 1))
-                    recvs.append(Message(received_sums[lo:hi], right, 2 * j + 1))
-            if incoming is not None:
-                if step > 0 and not chunk.is_cuda:
-                    pending[j].wait()  # gloo: the piece must be here before it goes on
-                sends.insert(0, Message(chunk[lo:hi], left, 2 * j))
-                recvs.insert(0, Message(incoming[lo:hi], right, 2 * j))
-            if sends:
-                launched[j] = start_p2p(sends, recvs, group)
+                total = total + received.pop(0)
+        if step < size - 1:
+            sends, recvs = [], []
+            if rotate is not None:
+                sends.append(Message(chunk, left, 0))
+                recvs.append(Message(spares[step % 2], right, 0))
+            if partial is not None:
+                if acc_buffer is None:
+                    acc_buffer = torch.empty_like(total)
+                sends.append(Message(total.contiguous(), left, 1))
+                recvs.append(Message(acc_buffer, right, 1))
+            pending = start_p2p(sends, recvs, group)
         if visit is not None:
-            for j, (lo, hi) in enumerate(cuts):
-                if step > 0:
-                    pending[j].wait()
-                visit(here, lo, hi, chunk[lo:hi])
-        pending = launched
-        chunk = incoming if incoming is not None else chunk
-    return result
+            visit(here, chunk)
+    return total
 
 
 def _chunk(x: Tensor, index: int, parts: int) -> Tensor:
@@ -224,14 +181,13 @@ def _check_divisible(x: Tensor, size: int) -> None:
 def _gather(x: Tensor, group: Group) -> Tensor:
     size = group.size()
     out = x.new_empty((size * x.shape[0], *x.shape[1:]))
-    ring_pass(group, rotate=x, visit=lambda c, lo, hi, xc: _chunk(out, c, size)[lo:hi].copy_(xc))
+    ring_pass(group, rotate=x, visit=lambda c, xc: _chunk(out, c, size).copy_(xc))
     return out
 
 
 def _reduce_scatter(x: Tensor, group: Group) -> Tensor:
     size = group.size()
-    rows = x.shape[0] // size
-    return ring_pass(group, partial=lambda m, lo, hi: _chunk(x, m, size)[lo:hi], rows=rows)
+    return ring_pass(group, partial=lambda m: _chunk(x, m, size))
 
 
 class _RingShift(torch.autograd.Function):

@@ -1,7 +1,7 @@
 """Drop-in spatial-temporal replacements for Megatron-core's parallel linear layers.
 
 :class:`TemporalColumnParallelLinear` and :class:`TemporalRowParallelLinear` take Megatron-core
-0.19's constructor arguments (plus ``tp_mode`` and ``ring_pieces``), return ``(output, output_bias)`` as Megatron
+0.19's constructor arguments (plus ``tp_mode``), return ``(output, output_bias)`` as Megatron
 does and keep its sequence-parallel boundary layouts::
 
     column: [s/P, b, K] -> [s, b, N/P]        row: [s, b, K/P] -> [s/P, b, N]
@@ -29,7 +29,6 @@ share: Megatron's finalize_model_grads all-reduces it over TP, as for RowParalle
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
@@ -111,7 +110,6 @@ class _TemporalLinear(torch.nn.Module):
         tp_group: Group | None,
         tp_mode: str,
         name: str | None,
-        ring_pieces: int = 1,
         allocate_weight: bool = True,
     ) -> None:
         if tp_mode == "megatron":
@@ -120,12 +118,6 @@ class _TemporalLinear(torch.nn.Module):
             )
         if tp_mode not in TP_MODES:
             raise ConfigError(f"tp_mode must be one of {TP_MODES}, got {tp_mode!r}")
-        if ring_pieces < 1 or (ring_pieces > 1 and tp_mode != "ring"):
-            raise ConfigError(
-                f"ring_pieces must be >= 1 and applies to tp_mode='ring' only, got "
-                f"{ring_pieces} with tp_mode={tp_mode!r}"
-            )
-        self.ring_pieces = ring_pieces
         if is_expert:
             raise ConfigError("is_expert=True: MoE experts keep Megatron's own parallel linears")
         if config.defer_embedding_wgrad_compute:
@@ -192,8 +184,7 @@ class _TemporalLinear(torch.nn.Module):
     def _algorithm(self) -> Callable:
         column = self.partition_dim == 0
         if self.tp_mode == "ring":
-            ring = ring_column_linear if column else ring_row_linear
-            return functools.partial(ring, pieces=self.ring_pieces)
+            return ring_column_linear if column else ring_row_linear
         return cannon_column_linear if column else cannon_row_linear
 
     def _check_input(self, x: Tensor, features: int) -> None:
@@ -293,7 +284,6 @@ class TemporalColumnParallelLinear(_TemporalLinear):
         tp_group: Group | None = None,
         name: str | None = None,
         tp_mode: str = "ring",
-        ring_pieces: int = 1,
     ):
         super().__init__()
         if gather_output:
@@ -313,7 +303,6 @@ class TemporalColumnParallelLinear(_TemporalLinear):
             tp_group=tp_group,
             tp_mode=tp_mode,
             name=name,
-            ring_pieces=ring_pieces,
             allocate_weight=not skip_weight_param_allocation,
         )
         self.output_size_per_partition = output_size // self.tp_group.size()
@@ -382,7 +371,6 @@ class TemporalRowParallelLinear(_TemporalLinear):
         tp_group: Group | None = None,
         name: str | None = None,
         tp_mode: str = "ring",
-        ring_pieces: int = 1,
     ):
         super().__init__()
         if not input_is_parallel:
@@ -399,7 +387,6 @@ class TemporalRowParallelLinear(_TemporalLinear):
             tp_group=tp_group,
             tp_mode=tp_mode,
             name=name,
-            ring_pieces=ring_pieces,
         )
         self.input_size_per_partition = input_size // self.tp_group.size()
         if bias:

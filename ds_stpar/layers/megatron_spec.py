@@ -52,30 +52,24 @@ from ds_stpar.layers.megatron_modules import SDPACoreAttention, SequenceParallel
 class StparSpecProvider(LocalSpecProvider):
     """Megatron's local backend with ds_stpar linears, SDPA attention and SP-capable norms."""
 
-    def __init__(self, tp_mode: str = "ring", ring_pieces: int = 1) -> None:
+    def __init__(self, tp_mode: str = "ring") -> None:
         if tp_mode not in TP_MODES:
             raise ConfigError(f"tp_mode must be one of {TP_MODES}, got {tp_mode!r}")
-        self.tp_mode, self.ring_pieces = tp_mode, ring_pieces
-
-    def _params(self) -> dict:
-        params = {"tp_mode": self.tp_mode}
-        if self.ring_pieces != 1:
-            params["ring_pieces"] = self.ring_pieces
-        return params
+        self.tp_mode = tp_mode
 
     def column_parallel_linear(self) -> type | ModuleSpec:
         if self.tp_mode == "megatron":
             return ColumnParallelLinear
         from ds_stpar.layers.linear import TemporalColumnParallelLinear
 
-        return ModuleSpec(module=TemporalColumnParallelLinear, params=self._params())
+        return ModuleSpec(module=TemporalColumnParallelLinear, params={"tp_mode": self.tp_mode})
 
     def row_parallel_linear(self) -> type | ModuleSpec:
         if self.tp_mode == "megatron":
             return RowParallelLinear
         from ds_stpar.layers.linear import TemporalRowParallelLinear
 
-        return ModuleSpec(module=TemporalRowParallelLinear, params=self._params())
+        return ModuleSpec(module=TemporalRowParallelLinear, params={"tp_mode": self.tp_mode})
 
     def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
         return SequenceParallelNorm
@@ -84,23 +78,15 @@ class StparSpecProvider(LocalSpecProvider):
         return SDPACoreAttention
 
 
-def get_gpt_layer_stpar_spec(
-    tp_mode: str | None = None, tp_group=None, ring_pieces: int | None = None
-) -> ModuleSpec:
+def get_gpt_layer_stpar_spec(tp_mode: str | None = None, tp_group=None) -> ModuleSpec:
     """A GPT transformer-layer spec with ds_stpar modules (see the module docstring).
 
     The norm type (LayerNorm/RMSNorm) follows ``TransformerConfig.normalization``.
     ``tp_group``: the TP group of models built with explicit groups. Megatron's
     ``TransformerLayer`` hands its TP group only to an MLP of type exactly ``MLP``, so the
     Cannon ``StparMLP`` gets it from the spec (None: Megatron's global parallel state).
-    ``ring_pieces``: row pieces per ring hop (``TemporalColumnParallelLinear``); ``None``
-    reads ``DS_STPAR_RING_PIECES`` (default 1), as ``tp_mode`` reads ``DS_STPAR_TP_MODE`` --
-    the way to set both under Megatron-LM's ``--spec``, which takes no arguments.
     """
-    backend = StparSpecProvider(
-        tp_mode or os.environ.get("DS_STPAR_TP_MODE", "ring"),
-        ring_pieces or int(os.environ.get("DS_STPAR_RING_PIECES", "1")),
-    )
+    backend = StparSpecProvider(tp_mode or os.environ.get("DS_STPAR_TP_MODE", "ring"))
     norm = backend.layer_norm()
     return ModuleSpec(
         module=TransformerLayer,

@@ -41,7 +41,7 @@ class _RingColumnLinear(torch.autograd.Function):
     dX and a second rotation of X for the local dW (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, x_shard_m: Tensor, w_shard_n: Tensor, group: Group, main_grad, pieces: int):
+    def forward(ctx, x_shard_m: Tensor, w_shard_n: Tensor, group: Group, main_grad):
         size = group.size()
         x_tokens = x_shard_m.reshape(-1, x_shard_m.shape[-1])
         rows = x_tokens.shape[0]
@@ -49,13 +49,10 @@ class _RingColumnLinear(torch.autograd.Function):
         ring_pass(
             group,
             rotate=x_tokens,
-            visit=lambda c, lo, hi, x_c: torch.mm(
-                x_c, w_shard_n.t(), out=_rows(y_tokens, c, rows)[lo:hi]
-            ),
-            pieces=pieces,
+            visit=lambda c, x_c: torch.mm(x_c, w_shard_n.t(), out=_rows(y_tokens, c, rows)),
         )
         ctx.save_for_backward(x_shard_m, w_shard_n)
-        ctx.group, ctx.main_grad, ctx.pieces = group, main_grad, pieces
+        ctx.group, ctx.main_grad = group, main_grad
         return y_tokens.view(size * x_shard_m.shape[0], *x_shard_m.shape[1:-1], -1)
 
     @staticmethod
@@ -69,18 +66,12 @@ class _RingColumnLinear(torch.autograd.Function):
         dx_tokens = ring_pass(
             ctx.group,
             rotate=x_tokens if need_dw else None,
-            visit=(lambda c, lo, hi, x_c: wgrad.add(_rows(dy_tokens, c, rows)[lo:hi], x_c))
-            if need_dw
-            else None,
-            partial=(lambda m, lo, hi: _rows(dy_tokens, m, rows)[lo:hi] @ w_shard_n)
-            if need_dx
-            else None,
-            rows=rows,
-            pieces=ctx.pieces,
+            visit=(lambda c, x_c: wgrad.add(_rows(dy_tokens, c, rows), x_c)) if need_dw else None,
+            partial=(lambda m: _rows(dy_tokens, m, rows) @ w_shard_n) if need_dx else None,
         )
         dx = dx_tokens.view(x_shard_m.shape) if need_dx else None
         dw = wgrad.result(x_shard_m.dtype) if need_dw else None
-        return dx, dw, None, None, None
+        return dx, dw, None, None
 
 
 class _RingRowLinear(torch.autograd.Function):
@@ -88,18 +79,13 @@ class _RingRowLinear(torch.autograd.Function):
     writing dX[c] in place and accumulating dW locally (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, x_shard_k: Tensor, w_shard_k: Tensor, group: Group, main_grad, pieces: int):
+    def forward(ctx, x_shard_k: Tensor, w_shard_k: Tensor, group: Group, main_grad):
         size = group.size()
         x_tokens = x_shard_k.reshape(-1, x_shard_k.shape[-1])
         rows = x_tokens.shape[0] // size
-        y_tokens = ring_pass(
-            group,
-            partial=lambda m, lo, hi: _rows(x_tokens, m, rows)[lo:hi] @ w_shard_k.t(),
-            rows=rows,
-            pieces=pieces,
-        )
+        y_tokens = ring_pass(group, partial=lambda m: _rows(x_tokens, m, rows) @ w_shard_k.t())
         ctx.save_for_backward(x_shard_k, w_shard_k)
-        ctx.group, ctx.main_grad, ctx.pieces = group, main_grad, pieces
+        ctx.group, ctx.main_grad = group, main_grad
         return y_tokens.view(x_shard_k.shape[0] // size, *x_shard_k.shape[1:-1], -1)
 
     @staticmethod
@@ -112,42 +98,32 @@ class _RingRowLinear(torch.autograd.Function):
         wgrad = WeightGrad(w_shard_k, ctx.main_grad) if need_dw else None
         dx_tokens = torch.empty_like(x_tokens) if need_dx else None
 
-        def visit(c: int, lo: int, hi: int, dy_c: Tensor) -> None:
+        def visit(c: int, dy_c: Tensor) -> None:
             if need_dx:
-                torch.mm(dy_c, w_shard_k, out=_rows(dx_tokens, c, rows)[lo:hi])
+                torch.mm(dy_c, w_shard_k, out=_rows(dx_tokens, c, rows))
             if need_dw:
-                wgrad.add(dy_c, _rows(x_tokens, c, rows)[lo:hi])
+                wgrad.add(dy_c, _rows(x_tokens, c, rows))
 
         if need_dx or need_dw:
-            ring_pass(ctx.group, rotate=dy_tokens, visit=visit, pieces=ctx.pieces)
+            ring_pass(ctx.group, rotate=dy_tokens, visit=visit)
         dx = dx_tokens.view(x_shard_k.shape) if need_dx else None
         dw = wgrad.result(x_shard_k.dtype) if need_dw else None
-        return dx, dw, None, None, None
+        return dx, dw, None, None
 
 
 def ring_column_linear(
-    x_shard_m: Tensor,
-    w_shard_n: Tensor,
-    group: Group,
-    main_grad: Tensor | None = None,
-    pieces: int = 1,
+    x_shard_m: Tensor, w_shard_n: Tensor, group: Group, main_grad: Tensor | None = None
 ) -> Tensor:
     """[s/P, b, K] (sequence chunk d) x [N/P, K] -> [s, b, N/P]; see the module docstring.
 
     ``main_grad``: accumulate dW there in fp32 and return no weight gradient (Megatron's
-    gradient_accumulation_fusion); ``None`` returns dW as the gradient. ``pieces``: every hop
-    in that many row pieces, each sub-GEMM starting when its piece arrives
-    (:func:`~ds_stpar.layers.comm.ring_pass`).
+    gradient_accumulation_fusion); ``None`` returns dW as the gradient.
     """
-    return _RingColumnLinear.apply(x_shard_m.contiguous(), w_shard_n, group, main_grad, pieces)
+    return _RingColumnLinear.apply(x_shard_m.contiguous(), w_shard_n, group, main_grad)
 
 
 def ring_row_linear(
-    x_shard_k: Tensor,
-    w_shard_k: Tensor,
-    group: Group,
-    main_grad: Tensor | None = None,
-    pieces: int = 1,
+    x_shard_k: Tensor, w_shard_k: Tensor, group: Group, main_grad: Tensor | None = None
 ) -> Tensor:
     """[s, b, K/P] x [N, K/P] -> [s/P, b, N] (sequence chunk d); s must divide by P."""
-    return _RingRowLinear.apply(x_shard_k.contiguous(), w_shard_k, group, main_grad, pieces)
+    return _RingRowLinear.apply(x_shard_k.contiguous(), w_shard_k, group, main_grad)
