@@ -130,10 +130,12 @@ def ring_pass(
     ``rotate`` is this rank's chunk d. At step t the chunk c = (d+t) % P is here and
     ``visit(c, chunk)`` runs while the chunk travels on to d-1 (the chunk of d+1 arrives).
 
-    ``partial(m)`` gives this rank's contribution to the sum for chunk m. At step t it is
-    called for m = (d+t+1) % P (while the previous hop is in flight), the partial sum received
-    from d+1 is added, and the result goes to d-1; the last step yields the complete sum for
-    chunk d, which is returned. One batch per step carries both streams.
+    ``partial(m)`` gives this rank's contribution to the sum for chunk m, as a fresh tensor
+    (the received partial sum is added into it in place, so the pass holds one sum buffer
+    less). At step t it is called for m = (d+t+1) % P (while the previous hop is in flight),
+    the partial sum received from d+1 is added, and the result goes to d-1; the last step
+    yields the complete sum for chunk d, which is returned. One batch per step carries both
+    streams.
     """
     size, me = group.size(), group.rank()
     left, right = (me - 1) % size, (me + 1) % size
@@ -151,7 +153,7 @@ def ring_pass(
             if rotate is not None:
                 chunk = received.pop(0)
             if partial is not None:
-                total = total + received.pop(0)
+                total.add_(received.pop(0))  # partial() gave a fresh tensor: sum in place
         if step < size - 1:
             sends, recvs = [], []
             if rotate is not None:
@@ -187,7 +189,7 @@ def _gather(x: Tensor, group: Group) -> Tensor:
 
 def _reduce_scatter(x: Tensor, group: Group) -> Tensor:
     size = group.size()
-    return ring_pass(group, partial=lambda m: _chunk(x, m, size))
+    return ring_pass(group, partial=lambda m: _chunk(x, m, size).clone())
 
 
 class _RingShift(torch.autograd.Function):
