@@ -255,6 +255,26 @@ def test_swiglu_gqa_constant_from_saved_tensors():
     assert (acts.residual + acts.parallel) / h == pytest.approx(34.03, abs=0.01)
 
 
+def test_local_flash_pads_head_dims_to_a_multiple_of_8():
+    # OpenLLaMA-3B's head dim 100 runs padded to 104 (varlen_causal): the kernel saves the
+    # padded Q, K, V (x 1.04) and output (1.04 e q), the projection input is a copy (e q).
+    model = ModelSpec.load("bench/models/llama-3b.json")
+    assert model.kv_channels == 100
+    q, a = 3200, 32
+    local = mem.layer_activations(model, seq=4096, e=2, flash=True, local=True)
+    attention_local = 2 * 3 * q * 1.04 + 2 * q * 1.04 + 2 * q + 4 * a
+    mlp_local = 5 * 2 * model.ffn_hidden_size
+    assert local.parallel == pytest.approx(attention_local + mlp_local)
+    # the fused stack (Transformer Engine pads inside its kernel) is counted unpadded
+    fused = mem.layer_activations(model, seq=4096, e=2, flash=True, local=False)
+    assert fused.parallel == pytest.approx(2 * 3 * q + 2 * q + 4 * a + 3 * 2 * 8640)
+    # a multiple of 8 changes nothing: llama2-7b's 128
+    llama = MODEL_PRESETS["llama2-7b"]
+    base = mem.layer_activations(llama, seq=4096, e=2, flash=True, local=True)
+    f = llama.ffn_hidden_size
+    assert base.parallel == pytest.approx(2 * 3 * 4096 + 2 * 4096 + 4 * 32 + 10 * f)
+
+
 def test_inflight_micro_batches():
     # 1F1B: stage 0 holds p micro-batches, stage i holds p - i, capped by m.
     assert mem.inflight_layers(0, 10, pp=8, m=64, v=1) == 8 * 10

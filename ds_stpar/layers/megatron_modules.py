@@ -30,6 +30,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
+from ds_stpar.planner.memory import FLASH_HEAD_DIM_MULTIPLE
+
 
 class SDPACoreAttention(MegatronModule):
     """Causal attention via SDPA; document-masked when given packed sequence params."""
@@ -130,7 +132,6 @@ def _varlen_kernel():
 
 VARLEN_ATTN = _varlen_kernel()
 VARLEN_PARAMS = set(inspect.signature(VARLEN_ATTN).parameters) if VARLEN_ATTN else set()
-VARLEN_HEAD_DIM_MULTIPLE = 8  # the flash kernel's requirement ("ensured by padding")
 
 
 def varlen_usable(query: Tensor, dropout: float) -> bool:
@@ -159,7 +160,7 @@ def varlen_causal(
     leaves q.k and the output's first d columns unchanged, with the scale fixed to the real
     d's 1/sqrt(d) (the kernel's default would use the padded one)."""
     dim = q.shape[-1]
-    pad = -dim % VARLEN_HEAD_DIM_MULTIPLE
+    pad = -dim % FLASH_HEAD_DIM_MULTIPLE
     if pad:
         q, k, v = (F.pad(x, (0, pad)) for x in (q, k, v))
     qt, kt, vt = (x[0].transpose(0, 1) for x in (q, k, v))  # [t, heads, d]

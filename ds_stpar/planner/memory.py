@@ -15,6 +15,7 @@ from ds_stpar.config import ModelSpec, Strategy, TrainSpec, stage_layers
 
 MASK_BYTES = 1  # a dropout mask element (torch.bool / uint8)
 FP32 = 4
+FLASH_HEAD_DIM_MULTIPLE = 8  # flash kernels take head dims that are multiples of 8 (else: pad)
 
 
 def element_bytes(train: TrainSpec) -> int:
@@ -171,6 +172,10 @@ def layer_activations(
     ``local`` (megatron-core's local modules): the two torch norms also save their fp32
     statistics (:func:`norm_stat_bytes` each, residual), and the unfused GLU keeps fc1's output 2e f, the
     SiLU output e f, the zero-offset sum e f and fc2's input e f: 5 e f instead of 3 e f.
+    With flash attention, a head dim d that is not a multiple of 8 is zero-padded to d'
+    (``layers.megatron_modules.varlen_causal``): the kernel saves the padded Q, K, V and its
+    padded output, and the projection input is a separate copy of the unpadded output --
+    e (q + 2 kv) d'/d + e q d'/d + e q instead of e (q + 2 kv) + e q.
     """
     h, q, kv, f, a = (
         model.hidden_size,
@@ -183,6 +188,10 @@ def layer_activations(
     residual = 4 * e * h + (2 * MASK_BYTES * h if dropout else 0)
     if flash:
         attention = e * (q + 2 * kv) + e * q + FP32 * a
+        pad = -model.kv_channels % FLASH_HEAD_DIM_MULTIPLE if local else 0
+        if pad:
+            padded = (model.kv_channels + pad) / model.kv_channels
+            attention += e * (q + 2 * kv) * (padded - 1) + e * q * padded
         scores = 0.0
     else:
         attention = 4 * e * q
