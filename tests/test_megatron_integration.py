@@ -3,6 +3,7 @@
 import math
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -77,11 +78,13 @@ def _param_count_and_ce(rank: int, world: int) -> None:
     )
     # fp32 softmax of 40 logits: relative error ~1e-7; 1e-5 leaves room for the all-reduce order.
     torch.testing.assert_close(losses.double(), ref.detach(), rtol=1e-5, atol=1e-6)
-    losses.sum().backward()
+    losses.sum().backward(retain_graph=True)
     ref.sum().backward()
     torch.testing.assert_close(
         shard.grad.double(), ref_full.grad.chunk(world, dim=-1)[rank], rtol=1e-5, atol=1e-6
     )
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        losses.sum().backward()
 
 
 def test_gpt_parameter_count_and_vocab_parallel_cross_entropy():

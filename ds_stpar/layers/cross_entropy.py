@@ -16,7 +16,8 @@ the softmax in place and the backward into the gradient in place -- e + 4 bytes,
 megatron-core's own vocab-parallel cross entropy and as the planner counts it
 (``planner.cost.head_bytes_per_logit``). Out-of-place steps would hold four fp32 copies at once:
 at 4 x 32K tokens and a 32K vocabulary that is 62 GiB instead of 23. Because the backward
-reuses the saved softmax, the graph cannot be run backward twice (``retain_graph``).
+reuses the saved softmax, the graph cannot be run backward twice (``retain_graph``): a second
+backward raises instead of returning a wrong gradient.
 """
 
 from __future__ import annotations
@@ -58,10 +59,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         work.div_(sum_exp.unsqueeze(-1))  # softmax
         ctx.save_for_backward(work, index, in_range, valid)
+        ctx.spent = False
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor):
+        if ctx.spent:
+            raise RuntimeError(
+                "vocab_parallel_cross_entropy: backward ran twice through the same graph "
+                "(retain_graph=True); its saved softmax became the first gradient in place"
+            )
+        ctx.spent = True
         grad, index, in_range, valid = ctx.saved_tensors  # the softmax, turned into dz in place
         grad.scatter_add_(-1, index.unsqueeze(-1), -in_range.unsqueeze(-1).to(grad.dtype))
         grad.mul_((grad_loss * valid).unsqueeze(-1))
