@@ -173,8 +173,9 @@ def layer_activations(
     statistics (:func:`norm_stat_bytes` each, residual), and the unfused GLU keeps fc1's output 2e f, the
     SiLU output e f, the zero-offset sum e f and fc2's input e f: 5 e f instead of 3 e f.
     With flash attention, a head dim d that is not a multiple of 8 is zero-padded to d'
-    (``layers.megatron_modules.varlen_causal``): the kernel saves the padded Q, K, V and its
-    padded output, and the projection input is a separate copy of the unpadded output --
+    (by ``layers.megatron_modules.varlen_causal`` on packed rows, inside PyTorch's SDPA on full
+    rows): the kernel saves the padded Q, K, V and its padded output, and the projection
+    input is a separate copy of the unpadded output --
     e (q + 2 kv) d'/d + e q d'/d + e q instead of e (q + 2 kv) + e q.
     """
     h, q, kv, f, a = (
