@@ -249,9 +249,9 @@ def metrics_row(step: int, stats, flops: float, world: int, gpu: str, lr: float)
     row["tokens_per_s"] = stats.num_tokens / stats.step_s if stats.step_s else None
     row["tflops"] = flops / stats.step_s / world / 1e12 if stats.step_s else None
     peak = GPU_PRESETS[gpu].peak_tflops if gpu in GPU_PRESETS else None
-    row["mfu"] = row["tflops"] / peak if torch.cuda.is_available() and peak else None
-    row["lr"] = lr
     cuda = torch.cuda.is_available()
+    row["mfu"] = row["tflops"] / peak if cuda and peak else None
+    row["lr"] = lr
     row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     return row
 

@@ -181,9 +181,22 @@ def _compare(what: str, runner, stats, plan, ref_loss: float, ref_grads: dict) -
     assert stats.switches == len(set(away)) + len(away), (what, stats.switches)
 
 
+def _check_against_reference(what, cfg, model, runner, docs, cache, rank, tokens) -> None:
+    """One mini-batch holding every bucket, accumulated by ``runner``: its loss and home
+    gradients against the float64 megatron-core reference on the same weights (then the
+    engine is released)."""
+    from ds_stpar.seqbucket.sampler import BucketSampler
+
+    plan = _full_plan(BucketSampler(docs.lengths, cfg.buckets, tokens, seed=2))
+    weights = _gather_full({n: p.detach() for n, p in runner.home.params.items()}, runner)
+    stats = runner.accumulate(plan)
+    ref_loss, ref_grads = _megatron_reference(model, weights, plan, docs, cache, rank)
+    _compare(what, runner, stats, plan, ref_loss, ref_grads)
+    runner.engine.destroy()
+
+
 def _check_gradients(rank: int, world: int) -> None:
     from ds_stpar.parallel import GroupCache
-    from ds_stpar.seqbucket.sampler import BucketSampler
 
     docs = _documents()
     cache = GroupCache()
@@ -197,12 +210,7 @@ def _check_gradients(rank: int, world: int) -> None:
     for what, layouts, zero in cases:
         cfg = _config(layouts, zero)
         model, runner = _setup(cfg, _ds_config(zero), cache, docs)
-        plan = _full_plan(BucketSampler(docs.lengths, cfg.buckets, 2048, seed=2))
-        weights = _gather_full({n: p.detach() for n, p in runner.home.params.items()}, runner)
-        stats = runner.accumulate(plan)
-        ref_loss, ref_grads = _megatron_reference(model, weights, plan, docs, cache, rank)
-        _compare(what, runner, stats, plan, ref_loss, ref_grads)
-        runner.engine.destroy()
+        _check_against_reference(what, cfg, model, runner, docs, cache, rank, 2048)
     _check_recompute_shares_the_home_model(docs, cache, rank)
 
 
@@ -210,7 +218,6 @@ def _check_recompute_shares_the_home_model(docs, cache, rank: int) -> None:
     """Buckets that differ only in full recompute run on one model, each with its own
     recompute (read by megatron-core's block at every forward), and the gradient is the
     reference's."""
-    from ds_stpar.seqbucket.sampler import BucketSampler
 
     what = "dp2 short without recompute, dp2 home with full recompute: one model, ZeRO 1"
     cfg = _config((DP2, DP2, DP2), 1, recompute=("none", "full", "full"))
@@ -219,13 +226,8 @@ def _check_recompute_shares_the_home_model(docs, cache, rank: int) -> None:
     seen = []
     block = runner.home.module.decoder
     block.register_forward_pre_hook(lambda m, a: seen.append(m.config.recompute_granularity))
-    plan = _full_plan(BucketSampler(docs.lengths, cfg.buckets, 2048, seed=2))
-    weights = _gather_full({n: p.detach() for n, p in runner.home.params.items()}, runner)
-    stats = runner.accumulate(plan)
+    _check_against_reference(what, cfg, model, runner, docs, cache, rank, 2048)
     assert set(seen) == {None, "full"}, seen  # each bucket ran with its own recompute
-    ref_loss, ref_grads = _megatron_reference(model, weights, plan, docs, cache, rank)
-    _compare(what, runner, stats, plan, ref_loss, ref_grads)
-    runner.engine.destroy()
 
 
 def _losses(cfg, ds, cache, docs, steps):
@@ -318,12 +320,7 @@ def _check_cannon_buckets(rank: int, world: int) -> None:
     cfg = _config((CANNON4, TP4), 1, edges=edges)
     model, runner = _setup(cfg, _ds_config(1), cache, docs)
     assert runner.specs["decoder.layers.0.mlp.linear_fc1.weight"].cannon_blocks
-    plan = _full_plan(BucketSampler(docs.lengths, cfg.buckets, 1024, seed=2))
-    weights = _gather_full({n: p.detach() for n, p in runner.home.params.items()}, runner)
-    stats = runner.accumulate(plan)
-    ref_loss, ref_grads = _megatron_reference(model, weights, plan, docs, cache, rank)
-    _compare(what, runner, stats, plan, ref_loss, ref_grads)
-    runner.engine.destroy()
+    _check_against_reference(what, cfg, model, runner, docs, cache, rank, 1024)
 
     # HF: descriptors in the parallel layers' [out, in]; GPT-2's Conv1D stores [in, out]
     what = "HF GPT-2 cannon4 -> tp4 (megatron home), ZeRO 1"

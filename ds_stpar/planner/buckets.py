@@ -734,8 +734,10 @@ class _Planner:
     # ---- one (home, edge set) --------------------------------------------------------
     @staticmethod
     def bucket_active_gib(h: _Option, o: _Option) -> float:
-        """Memory a non-home bucket adds while it runs: on the home model (its key equal to
-        the home's) with the home's DP buffers, otherwise its own layout's."""
+        """Memory bucket option ``o`` adds while it runs: the home's own, on the home model
+        (its key equal to the home's) with the home's DP buffers, otherwise its own layout's."""
+        if o is h:
+            return h.active_gib
         if o.key == h.key:
             return o.shared_active_gib
         return o.active_gib
@@ -781,7 +783,7 @@ class _Planner:
             own = [o for o in chosen if o.key != home_key]
             if len({o.key for o in own}) < len(own):
                 continue
-            active = max([h.active_gib] + [self.bucket_active_gib(h, o) for o in chosen])
+            active = max(self.bucket_active_gib(h, o) for o in (h, *chosen))
             if self.resident_gib(h, own) + active > self.capacity:
                 continue
             self.considered += 1
@@ -971,12 +973,7 @@ class _Planner:
                     attention_ratio=ratio,
                     time_s=timing.pass_s,
                     switch_s=switch,
-                    peak_memory_gib=resident
-                    + (
-                        option.active_gib
-                        if option is home
-                        else self.bucket_active_gib(home, option)
-                    ),
+                    peak_memory_gib=resident + self.bucket_active_gib(home, option),
                 )
             )
         step = sum(b.time_s for b in buckets) + switch_total + update

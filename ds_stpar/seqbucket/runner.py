@@ -407,12 +407,12 @@ class BucketRunner:
 
     @staticmethod
     def _set_recompute(model: LayoutModel, strategy: Strategy) -> None:
-        """The bucket's recompute on its (possibly shared) megatron-core model."""
-        config = getattr(model.module, "config", None)
-        if strategy.recompute != "selective" and hasattr(config, "recompute_granularity"):
+        """The bucket's recompute on its (possibly shared) megatron-core model; selective
+        recompute is fixed when the model is built (its model_key is its own)."""
+        if strategy.recompute != "selective":
             from ds_stpar.integrations.megatron import set_full_recompute
 
-            set_full_recompute(config, strategy.recompute)
+            set_full_recompute(model.module.config, strategy.recompute)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
