@@ -30,7 +30,12 @@ Variants (named for any P; before P was general they were ``megatron-tp2-sp`` an
   fused all-gather + GEMM for fc1 forward and fc2's dX, fused GEMM + reduce-scatter for fc2
   forward and fc1's dX; fc1 keeps the gathered input for its dW (as the compiled async-TP
   does). "n/a" when the ops are missing or fail, and for the layer (no layer spec for it).
-- ``ring``: ds_stpar TemporalColumnParallelLinear/TemporalRowParallelLinear, tp_mode="ring".
+- ``ring``: ds_stpar's ring as its Megatron spec runs it: the MLP block as one fused ring pass
+  (``ds_stpar.layers.ring_mlp``, what ``StparMLP`` runs), the layer's QKV / projection as
+  TemporalColumnParallelLinear / TemporalRowParallelLinear with tp_mode="ring".
+- ``ring-linear``: fc1 and fc2 as two separate ring layers (the per-linear ring, as
+  ``apply_stpar`` puts it into HF models; the layer from the spec with
+  ``fused_ring_mlp=False``).
 - ``cannon``: the same layers with tp_mode="cannon" (a q x q torus, P = q*q; "n/a (P not a
   square)" for P = 2, 8). Same boundary layouts as Megatron SP (column [s/P, b, K] ->
   [s, b, N/P], row [s, b, K/P] -> [s/P, b, N]); the re-layouts to and from the torus blocks
@@ -94,11 +99,26 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-VARIANTS = ("megatron-sp", "megatron", "no-comm", "async-tp", "ring", "cannon", "one-gpu")
+VARIANTS = (
+    "megatron-sp",
+    "megatron",
+    "no-comm",
+    "async-tp",
+    "ring",
+    "ring-linear",
+    "cannon",
+    "one-gpu",
+)
 REFERENCE = "megatron-sp"
 # compared with REFERENCE before timing (no-comm computes a different function); async-tp last
-CHECKED = ("megatron", "ring", "cannon", "one-gpu", "async-tp")
-SEQUENCE_PARALLEL = ("megatron-sp", "async-tp", "ring", "cannon")  # input [s/P, b, h]
+CHECKED = ("megatron", "ring", "ring-linear", "cannon", "one-gpu", "async-tp")
+SEQUENCE_PARALLEL = (
+    "megatron-sp",
+    "async-tp",
+    "ring",
+    "ring-linear",
+    "cannon",
+)  # input [s/P, b, h]
 ALIASES = {"megatron-tp2-sp": "megatron-sp", "megatron-tp2": "megatron"}  # the P=2 names
 CHECK_TOL = 2e-2
 BLOCKS = ("mlp", "layer")
@@ -401,6 +421,19 @@ class MLPBlock(torch.nn.Module):
         return out
 
 
+class RingMLPBlock(MLPBlock):
+    """The same block over fc1's and fc2's ring weights as one fused ring pass (ring_mlp);
+    ``PIECING`` (pieces, min_piece_flop) from --ring-pieces / --ring-min-piece-flop."""
+
+    PIECING: dict[str, float] = {}
+
+    def forward(self, x: Tensor) -> Tensor:
+        from ds_stpar.layers.ring_mlp import ring_mlp
+
+        fc1, fc2 = self.fc1, self.fc2
+        return ring_mlp(x, fc1.weight, None, fc2.weight, F.gelu, fc1.tp_group, **self.PIECING)
+
+
 class PlainLinear(torch.nn.Module):
     """F.linear with an [out, in] weight and no communication; returns (y, None).
     ``partition_dim``: the axis of the full weight its block is cut along (0 for fc1, 1 for fc2)."""
@@ -548,7 +581,7 @@ def _pg_collection(tp_group: dist.ProcessGroup):
 
 
 def _tp_mode(variant: str) -> str:
-    return variant if variant in ("ring", "cannon") else "megatron"
+    return {"ring": "ring", "ring-linear": "ring", "cannon": "cannon"}.get(variant, "megatron")
 
 
 def build_mlp(variant: str, case: Case, rt: Runtime, async_name: str | None) -> Built:
@@ -557,7 +590,7 @@ def build_mlp(variant: str, case: Case, rt: Runtime, async_name: str | None) -> 
     from ds_stpar.layers import TemporalColumnParallelLinear, TemporalRowParallelLinear
 
     h, group, size, tp_shard = case.hidden, rt.tp_group, rt.size, (rt.rank, rt.size)
-    if variant in ("megatron-sp", "megatron", "ring", "cannon"):
+    if variant in ("megatron-sp", "megatron", "ring", "ring-linear", "cannon"):
         sp, mode = variant != "megatron", _tp_mode(variant)
         cfg = _config(case, size, mode, sp)
         column, row = (
@@ -587,7 +620,7 @@ def build_mlp(variant: str, case: Case, rt: Runtime, async_name: str | None) -> 
             tp_group=group,
             **extra,
         )
-        block = MLPBlock(fc1, fc2).to(rt.device)
+        block = (RingMLPBlock if variant == "ring" else MLPBlock)(fc1, fc2).to(rt.device)
         return Built(block, block, sp, tp_shard)
     if variant == "async-tp":
         if async_name is None:
@@ -618,7 +651,7 @@ def build_layer(variant: str, case: Case, rt: Runtime) -> Built:
         cfg = _config(case, rt.size, mode, sp)
         group = rt.tp_group
     layer = build_module(
-        get_gpt_layer_stpar_spec(mode, group),
+        get_gpt_layer_stpar_spec(mode, group, fused_ring_mlp=variant != "ring-linear"),
         config=cfg,
         layer_number=1,
         pg_collection=_pg_collection(group),
@@ -996,6 +1029,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-check", action="store_true", help="skip the correctness checks")
     parser.add_argument("--no-overlap", action="store_true", help="skip the ring calibration")
     parser.add_argument(
+        "--high-priority-tp",
+        action="store_true",
+        help="TP group's NCCL streams at high priority (Megatron's --high-priority-stream-groups tp)",
+    )
+    parser.add_argument(
+        "--ring-pieces",
+        type=int,
+        default=None,
+        help="MLP block's ring: at most this many row pieces per chunk (default ring_mlp.PIECES)",
+    )
+    parser.add_argument(
+        "--ring-min-piece-flop",
+        type=float,
+        default=None,
+        help="MLP block's ring: forward FLOPs a piece needs at least (default "
+        "ring_mlp.MIN_PIECE_FLOP; 0: exactly --ring-pieces)",
+    )
+    parser.add_argument(
         "--timeout", type=int, default=180, help="seconds before a hung NCCL op aborts"
     )
     parser.add_argument("--cpu", action="store_true", help="gloo on CPU (smoke test only)")
@@ -1043,6 +1094,7 @@ def init_runtime(args: argparse.Namespace) -> Runtime:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=size,
         distributed_timeout_minutes=max(1, args.timeout // 60),
+        high_priority_stream_groups=["tp"] if args.high_priority_tp else None,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     solo = GroupCache().get(Layout(tp=size)).self_group
@@ -1061,6 +1113,10 @@ def init_runtime(args: argparse.Namespace) -> Runtime:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.ring_pieces is not None:
+        RingMLPBlock.PIECING["pieces"] = args.ring_pieces
+    if args.ring_min_piece_flop is not None:
+        RingMLPBlock.PIECING["min_piece_flop"] = args.ring_min_piece_flop
     rt = init_runtime(args)
     lead = rt.rank == 0
     async_name = None

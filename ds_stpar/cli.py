@@ -505,6 +505,11 @@ def estimate_command_parser(subparsers=None) -> argparse.ArgumentParser:
     s.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage")
     s.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none")
     s.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
+    s.add_argument(
+        "--ring-linear-mlp",
+        action="store_true",
+        help="ring: the MLP as two ring linears instead of one fused ring pass",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     parser.set_defaults(func=estimate_command)
     return parser
@@ -539,6 +544,7 @@ def estimate_command(args: argparse.Namespace) -> int:
         recompute=args.recompute,
         sequence_parallel=args.sp,
         vpp_layers=args.vpp_layers,
+        fused_ring_mlp=not args.ring_linear_mlp,
     )
     rules.check(model, cluster, train, strategy)
     est = estimate(model, cluster, train, strategy)

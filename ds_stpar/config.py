@@ -508,6 +508,8 @@ class Strategy:
 
     ``vpp_layers``: layers per virtual pipeline stage (Megatron's
     --num-layers-per-virtual-pipeline-stage); 0 means no interleaving.
+    ``fused_ring_mlp`` (ring layouts only; other modes ignore it): run each MLP block as one
+    fused ring pass (``layers/ring_mlp.py``) instead of two ring linears.
     ``first_stage_layers`` / ``last_stage_layers``: uneven pipeline stages (Megatron's
     --decoder-first/last-pipeline-num-layers); 0 means even.
     """
@@ -520,6 +522,7 @@ class Strategy:
     vpp_layers: int = 0
     first_stage_layers: int = 0
     last_stage_layers: int = 0
+    fused_ring_mlp: bool = True
 
     def __post_init__(self) -> None:
         _check_positive(self, "micro_batch")
@@ -538,6 +541,8 @@ class Strategy:
             parts.append("sp")
         if self.vpp_layers:
             parts.append(f"vpp{self.vpp_layers}")
+        if self.layout.tp_mode == "ring" and not self.fused_ring_mlp:
+            parts.append("ring-linear-mlp")
         return " ".join(parts)
 
     def to_dict(self) -> dict:

@@ -96,6 +96,29 @@ def test_estimate_json_fields_against_closed_forms(capsys):
     assert est["strategy"]["layout"] == {"dp": 2, "tp": 2, "pp": 2, "tp_mode": "megatron"}
 
 
+def test_estimate_ring_mlp_fused_or_linear(capsys):
+    # gpt3-1.3b (GeLU, f = 4h), TP2 ring, pp 1, one micro-batch of 2048 tokens in flight per
+    # layer: the fused ring MLP keeps every token's fc1 input (e h instead of e h / t) and not
+    # the GeLU output (e f / t less); nothing else in the memory breakdown moves.
+    argv = ["estimate", "--model", "gpt3-1.3b", "--gpus", "2", "--tp", "2", "--tp-mode", "ring"]
+    argv += ["--sp", "--global-batch", "8", "--json"]
+    estimates = {}
+    for extra in ([], ["--ring-linear-mlp"]):
+        code, out, _ = run(capsys, *argv, *extra)
+        assert code == 0
+        est = json.loads(out)
+        estimates[est["strategy"]["fused_ring_mlp"]] = est["breakdown"]["memory_gib"]
+    fused, linear = estimates[True], estimates[False]
+    m = MODEL_PRESETS["gpt3-1.3b"]
+    e, t, tokens = 2, 2, 2048
+    per_token = e * m.hidden_size * (1 - 1 / t) - e * m.ffn_hidden_size / t
+    expected = m.num_layers * tokens * per_token / 2**30
+    assert fused["activations"] - linear["activations"] == pytest.approx(expected, rel=1e-9)
+    assert {k: v for k, v in fused.items() if k not in ("activations", "allocator_headroom")} == {
+        k: v for k, v in linear.items() if k not in ("activations", "allocator_headroom")
+    }
+
+
 def test_gpu_figures_are_overridable(capsys):
     code, out, _ = run(capsys, "estimate", "--hbm-gib", "40", "--peak-tflops", "500", "--json")
     assert code == 0

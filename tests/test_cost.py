@@ -721,13 +721,62 @@ def test_local_block_matches_the_layer_benchmark():
             Layout(1, tp, 1, mode),
             micro_batch=tokens // 4096,
             sequence_parallel=row["variant"] in ("megatron-tp2-sp", "ring"),
+            fused_ring_mlp=False,  # this file's ring layer ran its MLP as two ring linears
         )
-        ev = cost.Evaluator(model, ClusterSpec(H200, 2, 2, profile=links), TrainSpec(4096, 8), cal)
-        block = cost.block_cost(cost._Context(ev, strategy))
-        predicted = (block.fwd + block.bwd + block.comm) * 1e3
-        errors.append((predicted / row["ms"] - 1, row["variant"], h, tokens))
+        errors.append((_layer_ms(model, strategy, H200, links, cal) / row["ms"] - 1, row, h))
     assert len(errors) == 24
     assert max(abs(err) for err, *_ in errors) < 0.10, errors
+
+
+def _layer_ms(model, strategy, gpu, links, cal) -> float:
+    """The planner's fwd + bwd milliseconds of one block, as bench/layers.py times a layer."""
+    ev = cost.Evaluator(model, ClusterSpec(gpu, 2, 2, profile=links), TrainSpec(4096, 8), cal)
+    block = cost.block_cost(cost._Context(ev, strategy))
+    return (block.fwd + block.bwd + block.comm) * 1e3
+
+
+FUSED = Path(__file__).resolve().parent.parent / "bench" / "results" / "2026-11-26-s4-2xH100"
+
+
+@pytest.mark.parametrize("link", ["nvlink", "slow"])
+def test_ring_mlp_fused_or_linear_matches_the_layer_benchmark(link):
+    # bench/layers.py on 2 x H100 (fourth session): TransformerLayer fwd+bwd, Megatron TP2+SP,
+    # the ring with its MLP as one fused ring pass ("ring") and as two ring linears
+    # ("ring-linear"), links from the MLP run of the same call, the shipped overlap (the
+    # slow link's own "hop hidden" median only says its hops outlast a chunk GEMM). Every case
+    # within 10% (one excluded: the fused NVLink h 4096 / 8K row, 20.77 ms against 9.07 for
+    # its ring-linear twin and 9.7 ms on H200 for the same code, a host stall), and the
+    # planner must rank fused vs linear as measured in every case: linear faster over NVLink,
+    # fused faster over the slow link -- the choice the search makes with this model.
+    mlp = json.loads((FUSED / f"layers-{link}-mlp.json").read_text())
+    layer = json.loads((FUSED / f"layers-{link}-layer.json").read_text())
+    links = Profile.from_layers_benchmark(mlp, "h100-80g", H100.intra_latency_us * 1e-6)
+    cal = Calibration.load_default("h100-80g", stack=LOCAL)
+    measured, predicted = {}, {}
+    for row in layer["rows"]:
+        if row["variant"] not in ("megatron-sp", "ring", "ring-linear"):
+            continue
+        h, tokens = row["hidden"], row["tokens"]
+        model = ModelSpec("layer", 1, h, h // 128, vocab_size=1024, add_bias_linear=False)
+        mode = "megatron" if row["variant"] == "megatron-sp" else "ring"
+        strategy = Strategy(
+            Layout(1, 2, 1, mode),
+            micro_batch=tokens // 4096,
+            sequence_parallel=True,
+            fused_ring_mlp=row["variant"] == "ring",
+        )
+        key = (row["variant"], h, tokens)
+        measured[key], predicted[key] = row["ms"], _layer_ms(model, strategy, H100, links, cal)
+    assert len(measured) == 18
+    outlier = ("ring", 4096, 8192) if link == "nvlink" else None
+    errors = {k: predicted[k] / measured[k] - 1 for k in measured if k != outlier}
+    assert max(map(abs, errors.values())) < 0.10, errors
+    for (variant, h, tokens), ms in measured.items():
+        if variant != "ring":
+            continue
+        linear = ("ring-linear", h, tokens)
+        fused_wins = predicted[(variant, h, tokens)] < predicted[linear]
+        assert fused_wins == (ms < measured[linear]), (h, tokens, predicted, measured)
 
 
 @pytest.mark.parametrize("link", ["nvlink", "slow"])

@@ -250,12 +250,11 @@ def _cannon_glu_checkpoint(rank: int, world: int) -> None:
 
     megatron_cpu.apply()
     from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
-    from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.spec_utils import build_module
 
     from ds_stpar.integrations.megatron import transformer_config
-    from ds_stpar.layers.cannon_mlp import StparMLP
     from ds_stpar.layers.megatron_spec import get_gpt_layer_stpar_spec
+    from ds_stpar.layers.mlp import StparMLP
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
@@ -269,7 +268,7 @@ def _cannon_glu_checkpoint(rank: int, world: int) -> None:
     def build(mode: str, filled: bool):
         mlp_spec = get_gpt_layer_stpar_spec(mode).submodules.mlp
         mlp = build_module(mlp_spec, config=config, ffn_hidden_size=spec.ffn_hidden_size)
-        assert type(mlp) is (StparMLP if mode == "cannon" else MLP), type(mlp)
+        assert type(mlp) is StparMLP, type(mlp)
         if filled:
             _set_mlp(mlp, masters, mode, rank, world)
         else:

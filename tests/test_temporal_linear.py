@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from ds_stpar.config import Layout
 from ds_stpar.errors import ConfigError
 from ds_stpar.layers import TemporalColumnParallelLinear, TemporalRowParallelLinear
+from ds_stpar.layers.ring_mlp import ring_mlp
 from ds_stpar.parallel import GroupCache
 from tests.distributed import run_workers
 
@@ -214,6 +215,16 @@ def check_row(group, mode, seed, *, skip_bias_add=False, fusion=False) -> None:
     _close(bias_grad, ref.bias.grad, f"{what}: bias grad (summed over TP)")
 
 
+def _activation(glu: bool):
+    def act(h: torch.Tensor) -> torch.Tensor:
+        if glu:  # Megatron's GLU: the local fc1 output is [gate_d; up_d]
+            gate, up = h.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return F.gelu(h)
+
+    return act
+
+
 def check_mlp(group, mode, seed, *, glu: bool) -> None:
     """fc1 (column; stride=2 GLU or plain) -> activation -> fc2 (row) vs float64."""
     size, me = group.size(), group.rank()
@@ -223,13 +234,7 @@ def check_mlp(group, mode, seed, *, glu: bool) -> None:
     ref1, ref2 = _reference(fc1, seed + 1), _reference(fc2, seed + 11)
     _set_bias(fc1, ref1, _megatron_index(fc1_out, size, 2 if glu else 1, me))
     _set_bias(fc2, ref2, None)
-
-    def act(h: torch.Tensor) -> torch.Tensor:
-        if glu:  # Megatron's GLU: the local fc1 output is [gate_d; up_d]
-            gate, up = h.chunk(2, dim=-1)
-            return F.silu(gate) * up
-        return F.gelu(h)
-
+    act = _activation(glu)
     x_full = _rand(seed + 2, S, B, HIDDEN).requires_grad_()
     x = _seq_chunk(x_full.detach(), me, size).float().requires_grad_()
     y = fc2(act(fc1(x)[0]))[0]
@@ -243,6 +248,46 @@ def check_mlp(group, mode, seed, *, glu: bool) -> None:
     order1 = _megatron_order(fc1_out, size, 2 if glu else 1)
     _close(fc1.weight.grad, _weight_block(ref1.weight.grad[order1], mode, 0, me, size), what)
     _close(fc2.weight.grad, _weight_block(ref2.weight.grad, mode, 1, me, size), what)
+
+
+def check_ring_mlp(group, seed, *, glu: bool, fusion: bool, pieces: int, dx: bool = True) -> None:
+    """The fused ring MLP (``ring_mlp``) vs float64: fc1 + bias -> activation -> fc2 (its bias
+    is the caller's). ``pieces`` > 1 cuts each partial-sum hop into row pieces (pieces of one
+    row allowed here, so the 4-8 rows of a chunk give uneven pieces)."""
+    size, me = group.size(), group.rank()
+    fc1_out, stride = (2 * FFN, 2) if glu else (FFN, 1)
+    fc1 = _column(group, "ring", seed, out=fc1_out, stride=stride, fusion=fusion)
+    fc2 = _row(group, "ring", seed + 10, fusion=fusion)
+    ref1, ref2 = _reference(fc1, seed + 1), _reference(fc2, seed + 11)
+    _set_bias(fc1, ref1, _megatron_index(fc1_out, size, stride, me))
+    main_grads = (None, None)
+    if fusion:  # accumulate on top of what Megatron DDP's buffers already hold
+        main_grads = (torch.full(fc1.weight.shape, 0.5), torch.full(fc2.weight.shape, -0.5))
+    act = _activation(glu)
+    x_full = _rand(seed + 2, S, B, HIDDEN).requires_grad_()
+    x = _seq_chunk(x_full.detach(), me, size).float().requires_grad_(dx)
+    y = ring_mlp(x, fc1.weight, fc1.bias, fc2.weight, act, group, *main_grads, pieces, 0)
+    y_ref = F.linear(act(ref1(x_full)), ref2.weight)
+    what = f"ring_mlp {'glu' if glu else 'gelu'} P={size} fusion={fusion} pieces={pieces}"
+    _close(y, _seq_chunk(y_ref, me, size).detach(), f"{what}: output")
+    grad = _rand(seed + 3, S, B, HIDDEN)
+    y.backward(_seq_chunk(grad, me, size).float())
+    y_ref.backward(grad)
+    if dx:
+        _close(x.grad, _seq_chunk(x_full.grad, me, size), f"{what}: input grad")
+    expect1 = _weight_block(
+        ref1.weight.grad[_megatron_order(fc1_out, size, stride)], "ring", 0, me, size
+    )
+    expect2 = _weight_block(ref2.weight.grad, "ring", 1, me, size)
+    if fusion:
+        _close(main_grads[0] - 0.5, expect1, f"{what}: fc1 main_grad")
+        _close(main_grads[1] + 0.5, expect2, f"{what}: fc2 main_grad")
+        assert fc1.weight.grad is None and fc2.weight.grad is None, what
+    else:
+        _close(fc1.weight.grad, expect1, f"{what}: fc1 weight grad")
+        _close(fc2.weight.grad, expect2, f"{what}: fc2 weight grad")
+    cols = _megatron_index(fc1_out, size, stride, me)
+    _close(fc1.bias.grad, ref1.bias.grad[cols], f"{what}: fc1 bias grad")
 
 
 def check_attention(group, mode, seed) -> None:
@@ -414,6 +459,10 @@ def _all_layer_checks(group, mode, seed) -> None:
     check_megatron_weights(group, mode, seed + 1000)
     if mode == "ring":
         check_external_weight(group, seed + 1100)
+        check_ring_mlp(group, seed + 1200, glu=False, fusion=False, pieces=1)
+        check_ring_mlp(group, seed + 1300, glu=True, fusion=False, pieces=3)
+        check_ring_mlp(group, seed + 1400, glu=True, fusion=True, pieces=2)
+        check_ring_mlp(group, seed + 1500, glu=False, fusion=False, pieces=3, dx=False)
 
 
 def _worker(rank: int, world_size: int) -> None:
@@ -429,6 +478,7 @@ def _worker(rank: int, world_size: int) -> None:
     single = GroupCache().get(Layout(dp=4, tp=1)).tp_group  # P=1: plain local GEMMs
     check_column(single, "ring", 70_000 + rank)
     check_row(single, "ring", 71_000 + rank)
+    check_ring_mlp(single, 72_000 + rank, glu=True, fusion=False, pieces=2)
 
 
 @pytest.mark.dist

@@ -117,7 +117,11 @@ def build_gpt(
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_block_stpar_spec(
-            config, groups.layout.tp_mode, pp_rank=pp_rank, tp_group=groups.tp_group
+            config,
+            groups.layout.tp_mode,
+            pp_rank=pp_rank,
+            tp_group=groups.tp_group,
+            fused_ring_mlp=strategy.fused_ring_mlp,
         ),
         vocab_size=model.vocab_size,
         max_sequence_length=max(seq_len, model.max_position_embeddings),

@@ -1,4 +1,4 @@
-"""Megatron's MLP with a dist-checkpoint view of a Cannon GLU fc1 in Megatron's format.
+"""The dist-checkpoint view of a Cannon GLU fc1 in Megatron's format.
 
 Megatron's checkpoint of a gated fc1 (``gated_linear_unit``: SwiGLU, GeGLU) holds the natural
 weight ``[gate; up]`` ``[2f, h]`` (gate rows 0..f, up rows f..2f). Each TP rank holds the
@@ -15,9 +15,10 @@ KB_k with k = (r+c) % q::
                                                [:, 1] -> up rows block c of q
 
 Megatron's factory keeps only the axis-0 offset and halves the local block, so its global
-shape and offsets come out wrong. :class:`StparMLP` gives fc1's weight a factory that saves
-the gate and up parts of the block at their places in ``[gate; up]`` (axis 0: blocks c and
-q + c of 2q; axis 1: block k of q) and re-interleaves them on load. The global tensor is the
+shape and offsets come out wrong. :func:`cannon_glu_factory` (which
+:class:`~ds_stpar.layers.mlp.StparMLP` gives fc1's weight) saves the gate and up parts of the
+block at their places in ``[gate; up]`` (axis 0: blocks c and q + c of 2q; axis 1: block k of
+q) and re-interleaves them on load. The global tensor is the
 one Megatron and the ring write, so checkpoints move between Megatron TP, ring and Cannon.
 The fc1 bias ``[2f/P]`` is Megatron's shard in every mode and keeps Megatron's factory.
 """
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-from megatron.core.transformer.mlp import MLP
 from torch import Tensor
 
 Offsets = tuple[tuple[int, int, int], ...]
@@ -94,21 +94,3 @@ def cannon_glu_factory(
         weight.replica_id,
         flattened_range=weight.flattened_range,
     )
-
-
-class StparMLP(MLP):
-    """Megatron's MLP; with a Cannon fc1 and a gated linear unit, fc1's weight is saved with
-    :func:`cannon_glu_factory` instead of Megatron's row-split GLU factory."""
-
-    def sharded_state_dict(
-        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
-    ) -> dict:
-        sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-        fc1 = self.linear_fc1
-        if not self.config.gated_linear_unit or getattr(fc1, "tp_mode", None) != "cannon":
-            return sharded
-        key = f"{prefix}linear_fc1.weight"
-        own = fc1.sharded_state_dict(f"{prefix}linear_fc1.", sharded_offsets, metadata)[key]
-        singleton = (metadata or {}).get("singleton_local_shards", False)
-        sharded[key] = cannon_glu_factory(own, fc1.shard_offsets, sharded_offsets, singleton)
-        return sharded

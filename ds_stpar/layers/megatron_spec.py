@@ -14,9 +14,10 @@ ordering and the GLU interleaving of fc1 are Megatron's); :class:`StparSpecProvi
 - core attention: SDPA (flash on GPU; document masking for packed rows);
 - norms: LayerNorm/RMSNorm that accept sequence parallelism (ring and Cannon layers exchange
   activations in Megatron's sequence-parallel layout, so such models run with SP on);
-- MLP, for Cannon only: :class:`~ds_stpar.layers.cannon_mlp.StparMLP`, Megatron's MLP whose
-  dist checkpoint of a gated fc1 describes Cannon's two-dimensional blocks in Megatron's
-  ``[gate; up]`` format (Megatron's own GLU factory assumes a row split).
+- MLP, for ring and Cannon: :class:`~ds_stpar.layers.mlp.StparMLP`, Megatron's MLP that runs
+  a ring block as one fused ring pass and whose dist checkpoint of a Cannon gated fc1
+  describes the two-dimensional blocks in Megatron's ``[gate; up]`` format (Megatron's own
+  GLU factory assumes a row split).
 
 With a layer spec alone, Megatron builds the block's final norm from its own default (a
 torch norm that refuses SP when neither Apex nor Transformer Engine is installed), so models
@@ -45,8 +46,17 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from ds_stpar.config import TP_MODES
 from ds_stpar.errors import ConfigError
-from ds_stpar.layers.cannon_mlp import StparMLP
 from ds_stpar.layers.megatron_modules import SDPACoreAttention, SequenceParallelNorm
+from ds_stpar.layers.mlp import StparMLP
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    if value not in ("0", "1"):
+        raise ConfigError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 class StparSpecProvider(LocalSpecProvider):
@@ -78,15 +88,24 @@ class StparSpecProvider(LocalSpecProvider):
         return SDPACoreAttention
 
 
-def get_gpt_layer_stpar_spec(tp_mode: str | None = None, tp_group=None) -> ModuleSpec:
+def get_gpt_layer_stpar_spec(
+    tp_mode: str | None = None, tp_group=None, fused_ring_mlp: bool | None = None
+) -> ModuleSpec:
     """A GPT transformer-layer spec with ds_stpar modules (see the module docstring).
 
     The norm type (LayerNorm/RMSNorm) follows ``TransformerConfig.normalization``.
+    ``fused_ring_mlp`` (ring only): one fused ring pass per MLP block (``StparMLP``) or two
+    ring linears; None reads ``DS_STPAR_FUSED_RING_MLP`` (``0`` or ``1``, default ``1``).
     ``tp_group``: the TP group of models built with explicit groups. Megatron's
     ``TransformerLayer`` hands its TP group only to an MLP of type exactly ``MLP``, so the
-    Cannon ``StparMLP`` gets it from the spec (None: Megatron's global parallel state).
+    ring / Cannon ``StparMLP`` gets it from the spec (None: Megatron's global parallel state).
     """
     backend = StparSpecProvider(tp_mode or os.environ.get("DS_STPAR_TP_MODE", "ring"))
+    if fused_ring_mlp is None:
+        fused_ring_mlp = _env_flag("DS_STPAR_FUSED_RING_MLP", True)
+    mlp_params = {"fused_ring": fused_ring_mlp}
+    if tp_group is not None:
+        mlp_params["tp_group"] = tp_group
     norm = backend.layer_norm()
     return ModuleSpec(
         module=TransformerLayer,
@@ -106,10 +125,8 @@ def get_gpt_layer_stpar_spec(tp_mode: str | None = None, tp_group=None) -> Modul
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=norm,
             mlp=ModuleSpec(
-                module=StparMLP if backend.tp_mode == "cannon" else MLP,
-                params={"tp_group": tp_group}
-                if backend.tp_mode == "cannon" and tp_group is not None
-                else {},
+                module=MLP if backend.tp_mode == "megatron" else StparMLP,
+                params={} if backend.tp_mode == "megatron" else mlp_params,
                 submodules=MLPSubmodules(
                     linear_fc1=backend.column_parallel_linear(),
                     linear_fc2=backend.row_parallel_linear(),
@@ -126,15 +143,17 @@ def get_gpt_block_stpar_spec(
     pp_rank: int | None = None,
     vp_stage: int | None = None,
     tp_group=None,
+    fused_ring_mlp: bool | None = None,
 ) -> TransformerBlockSubmodules:
     """The whole decoder block of one pipeline stage: ds_stpar layers plus an SP-capable final norm."""
     layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(
-        layer_specs=[get_gpt_layer_stpar_spec(tp_mode, tp_group)] * layers,
+        layer_specs=[get_gpt_layer_stpar_spec(tp_mode, tp_group, fused_ring_mlp)] * layers,
         layer_norm=SequenceParallelNorm,
     )
 
 
 #: The spec object Megatron-LM's ``--spec ds_stpar.layers.megatron_spec gpt_layer_stpar_spec``
-#: imports (Megatron-LM hands the named object to GPTModel without calling it).
+#: imports (Megatron-LM hands the named object to GPTModel without calling it); its mode and
+#: MLP fusion come from ``DS_STPAR_TP_MODE`` and ``DS_STPAR_FUSED_RING_MLP``.
 gpt_layer_stpar_spec: ModuleSpec = get_gpt_layer_stpar_spec()

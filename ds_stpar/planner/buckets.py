@@ -589,12 +589,14 @@ def runnable(strategy: Strategy) -> bool:
     return strategy.layout.pp == 1 and strategy.zero in HOME_ZERO
 
 
-def _knobs(layout: Layout, flash: bool) -> list[tuple[bool, str]]:
-    """(sequence parallel, recompute) pairs as the search enumerates them (rules 9, 14, 15)."""
+def _knobs(layout: Layout, flash: bool) -> list[tuple[bool, str, bool]]:
+    """(sequence parallel, recompute, fused ring MLP) as the search enumerates them (rules 9,
+    14, 15; the ring's MLP both ways)."""
     tp, mode = layout.tp, layout.tp_mode
     sps = (True,) if tp > 1 and mode != "megatron" else ((False, True) if tp > 1 else (False,))
     recomputes = ("none", "full") if flash else ("none", "selective", "full")
-    return [(sp, rc) for sp in sps for rc in recomputes]
+    fusions = (True, False) if mode == "ring" and tp > 1 else (True,)
+    return [(sp, rc, fused) for sp in sps for rc in recomputes for fused in fusions]
 
 
 MICRO_BATCH_SIZES = tuple(1 << k for k in range(int(math.log2(MAX_MICRO_BATCH)) + 1))
@@ -671,9 +673,9 @@ class _Planner:
         flash = self.cal.flash_attention
         for layout in self.layouts:
             zeros = (0,) if not home or layout.dp == 1 else HOME_ZERO
-            for zero, (sp, rc) in itertools.product(zeros, _knobs(layout, flash)):
+            for zero, (sp, rc, fused) in itertools.product(zeros, _knobs(layout, flash)):
                 for b in MICRO_BATCH_SIZES:
-                    strategy = Strategy(layout, b, zero, rc, sp)
+                    strategy = Strategy(layout, b, zero, rc, sp, fused_ring_mlp=fused)
                     probe = self.train_at(edge, b * layout.dp)
                     if rules.violations(
                         self.model, self.cluster, probe, strategy, None, self.allow

@@ -65,6 +65,7 @@ from ds_stpar.planner.tensor_parallel import (
     head_seqs,
     megatron_block,
     ring_block,
+    ring_mlp_pieces,
     sharded_boundary,
 )
 
@@ -227,7 +228,13 @@ class _Context:
         self.sharded = sharded_boundary(self.t, self.mode, strategy.sequence_parallel)
         self.links: Placement = placement(layout, ev.cluster)
         self.speed = ev.speed
-        self.activations = ev.activations
+        #: the MLP runs as one fused ring pass (layers/ring_mlp.py)
+        self.fused_mlp = self.mode == "ring" and strategy.fused_ring_mlp
+        self.activations = (
+            mem.fused_ring_mlp_activations(ev.activations, model, self.e, ev.cal.local)
+            if self.fused_mlp
+            else ev.activations
+        )
 
 
 def micro_batches(train: TrainSpec, strategy: Strategy) -> int:
@@ -251,7 +258,9 @@ def virtual_stages(model: ModelSpec, strategy: Strategy) -> int:
 def block_tp(ctx: _Context) -> BlockTP:
     model, t, speed, cal = ctx.model, ctx.t, ctx.speed, ctx.cal
     if ctx.mode == "ring":
-        return ring_block(model, ctx.tokens, t, ctx.links.tp_p2p, speed, cal.ring_hop_overlap)
+        return ring_block(
+            model, ctx.tokens, t, ctx.links.tp_p2p, speed, cal.ring_hop_overlap, ctx.fused_mlp
+        )
     if ctx.mode == "cannon":
         return cannon_block(model, ctx.tokens, t, ctx.links.tp_p2p, speed, cal.ring_hop_overlap)
     return megatron_block(
@@ -328,13 +337,19 @@ def layer_host_calls(ctx: _Context) -> tuple[int, int]:
     linears: 10 (recompute +4). Without SP: 2 forward and 2 backward all-reduces (+2).
     Ring: every linear runs one forward and one backward ``ring_pass`` (the column backward
     carries the dX accumulator and the X rotation in one batch per step), P - 1 hops each:
-    8 (P - 1) (recompute +4 (P - 1)). Cannon, per linear: q - 1 shift batches forward and q
+    8 (P - 1) (recompute +4 (P - 1)); with the fused MLP the two MLP linears' 4 (P - 1)
+    become (P - 1) (1 + k) P2P batches per pass (one rotation, k partial-sum pieces per step),
+    forward and backward (recompute + one pass). Cannon, per linear: q - 1 shift batches forward and q
     backward (the last carries the dX accumulator alone), and two re-layouts each way, each
     one P2P batch: 4 (2q + 3) (recompute +4 (q + 1)); no collective."""
     if ctx.t == 1:
         return 0, 0
     again = ctx.strategy.recompute == "full"
     if ctx.mode == "ring":
+        if ctx.fused_mlp:
+            mlp_pass = 1 + ring_mlp_pieces(ctx.model, ctx.tokens, ctx.t)
+            passes = (4 + (2 if again else 0)) + (2 + (1 if again else 0)) * mlp_pass
+            return 0, passes * (ctx.t - 1)
         return 0, (8 + (4 if again else 0)) * (ctx.t - 1)
     if ctx.mode == "cannon":
         q = math.isqrt(ctx.t)
@@ -640,6 +655,7 @@ class Evaluator:
             s.recompute,
             ctx.links.tp,
             ctx.links.tp_p2p,
+            ctx.fused_mlp,
         )
         cost = self._blocks.get(key)
         if cost is None:

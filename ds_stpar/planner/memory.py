@@ -9,6 +9,7 @@ stages, e bytes per activation element (2 for bf16/fp16).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ds_stpar.config import ModelSpec, Strategy, TrainSpec, stage_layers
@@ -127,13 +128,15 @@ class LayerActivations:
     TP, divided by t with sequence parallelism, ring or Cannon). ``parallel``: tensors inside
     the TP regions (always divided by t). ``scores``: the s-proportional softmax tensors of
     unfused attention (divided by t; gone with flash attention or selective recompute).
-    ``layer_input``: e h, all that full recompute keeps.
+    ``layer_input``: e h, all that full recompute keeps. ``whole``: tensors every TP rank
+    keeps for all tokens (the fused ring MLP's gathered fc1 input; never divided).
     """
 
     residual: float
     parallel: float
     scores: float
     layer_input: float
+    whole: float = 0.0
 
 
 NORM_STAT_BYTES = 8  # fp32 mean and rstd per token that a torch LayerNorm saves
@@ -218,7 +221,25 @@ def layer_activation_bytes(
     if recompute == "full":
         return tokens * acts.layer_input / r
     scores = 0.0 if recompute == "selective" else acts.scores / tp
-    return tokens * (acts.residual / r + acts.parallel / tp + scores)
+    return tokens * (acts.residual / r + acts.parallel / tp + scores + acts.whole)
+
+
+def fused_ring_mlp_activations(
+    acts: LayerActivations, model: ModelSpec, e: int, local: bool
+) -> LayerActivations:
+    """``acts`` with the MLP run as one fused ring pass (``layers/ring_mlp.py``): it keeps
+    every rank's chunk of the fc1 input (e h per token, whole instead of 1/t) and fc1's
+    output (e f, GLU 2 e f), not act(fc1) nor fc2's input, which its backward recomputes:
+    the MLP's 2 e f (SwiGLU 3 e f; unfused GLU of the local stack 5 e f) become e f (2 e f)."""
+    f, h = model.ffn_hidden_size, model.hidden_size
+    kept = (3 if model.gated else 2) * e * f + (2 * e * f if local and model.gated else 0)
+    fused = (2 if model.gated else 1) * e * f
+    return dataclasses.replace(
+        acts,
+        residual=acts.residual - e * h,
+        parallel=acts.parallel - kept + fused,
+        whole=acts.whole + e * h,
+    )
 
 
 def inflight_layers(stage: int, layers: int, pp: int, m: int, v: int) -> float:

@@ -316,19 +316,24 @@ class Profile:
         ``T x h``, over the all-gather's share of Megatron's column forward
         (``megatron_fwd_ms - gemm_only_ms``), used for reduce-scatter and all-reduce too for
         want of separate figures; each less the per-step ``latency_s`` the cost model adds
-        back, median over the cases. Entered for group size ``P``."""
+        back, median over the cases (a case whose timings leave no positive time for the
+        transfer, run-to-run noise when the GEMM alone timed slower, is skipped). Entered for
+        group size ``P``."""
         try:
             world = int(data.get("world", 2))
             cases = data["ring_overlap"]["cases"]
             p2p, gather = [], []
             for c in cases:
                 chunk = 2 * c["tokens"] * c["hidden"] / world  # bytes of T/P x h bf16
-                p2p.append(chunk / (c["hop_ms"] * 1e-3 - latency_s) / 1e9)
+                hop_s = c["hop_ms"] * 1e-3 - latency_s
                 ag_s = (c["megatron_fwd_ms"] - c["gemm_only_ms"]) * 1e-3 - latency_s
-                gather.append((world - 1) * chunk / ag_s / 1e9)
+                if hop_s > 0:
+                    p2p.append(chunk / hop_s / 1e9)
+                if ag_s > 0:
+                    gather.append((world - 1) * chunk / ag_s / 1e9)
         except (KeyError, TypeError, ValueError) as err:
             raise ConfigError(f"layers benchmark: no ring_overlap cases ({err})") from None
-        if world < 2 or not cases or min(p2p + gather) <= 0:
+        if world < 2 or not p2p or not gather:
             raise ConfigError("layers benchmark: ring_overlap cases give no positive bandwidth")
         busbw = statistics.median(gather)
         table = {name: {world: busbw} for name in ("all_reduce", "all_gather", "reduce_scatter")}

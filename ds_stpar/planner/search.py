@@ -130,15 +130,18 @@ def families(
                     yield _Family(layout, zero, *split)
 
 
-def _knob_grid(fam: _Family, flash: bool) -> Iterator[tuple[bool, str]]:
-    """(sequence_parallel, recompute) pairs: SP both ways for Megatron tp > 1, always on for
-    ring/Cannon (rules 14, 15), off for tp 1 (rule 9); selective only without flash."""
+def _knob_grid(fam: _Family, flash: bool) -> Iterator[tuple[bool, str, bool]]:
+    """(sequence_parallel, recompute, fused_ring_mlp): SP both ways for Megatron tp > 1,
+    always on for ring/Cannon (rules 14, 15), off for tp 1 (rule 9); selective only without
+    flash; the ring's MLP fused and as two ring linears (which wins depends on the link)."""
     tp, mode = fam.layout.tp, fam.layout.tp_mode
     sps = (True,) if mode != "megatron" and tp > 1 else ((False, True) if tp > 1 else (False,))
     recomputes = ("none", "full") if flash else ("none", "selective", "full")
+    fusions = (True, False) if mode == "ring" and tp > 1 else (True,)
     for sp in sps:
         for rc in recomputes:
-            yield sp, rc
+            for fused in fusions:
+                yield sp, rc, fused
 
 
 def _vpp_options(fam: _Family, model: ModelSpec, m: int) -> list[int]:
@@ -235,13 +238,17 @@ class _Search:
         smallest = math.inf
         fitted = False
         flash = self.ev.cal.flash_attention
-        for sp, rc in _knob_grid(fam, flash):
+        for sp, rc, fused in _knob_grid(fam, flash):
             for b in _micro_batches(fam, self.train):
                 m = self.train.global_batch // (b * fam.layout.dp)
                 any_fit = False
                 for vpp in _vpp_options(fam, self.model, m):
                     strategy = fam.strategy(
-                        micro_batch=b, recompute=rc, sequence_parallel=sp, vpp_layers=vpp
+                        micro_batch=b,
+                        recompute=rc,
+                        sequence_parallel=sp,
+                        vpp_layers=vpp,
+                        fused_ring_mlp=fused,
                     )
                     self.considered += 1
                     _, breakdown = self.ev.memory(strategy)

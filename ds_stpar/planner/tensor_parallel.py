@@ -46,6 +46,29 @@ from ds_stpar.config import ModelSpec
 from ds_stpar.planner.comm import Link
 from ds_stpar.planner.compute import Gemm, Linear, Phase, Speed, block_linears, megatron_gemm
 
+#: The fused ring MLP (``layers/ring_mlp.py``) sends a partial-sum hop in at most PIECES row
+#: pieces, each worth at least MIN_PIECE_FLOP of forward GEMM work (here so that the planner
+#: prices the pieces the layer runs without importing torch). More pieces shorten the exposed
+#: last hop (1/pieces of a chunk's); a piece below ~0.4 ms of GEMMs lets the host (a dozen
+#: Python-issued ops and a P2P batch per piece) fall behind the GPU: on 2 x H200 over NVLink
+#: 4 pieces of 1024 rows at h 4096 ran 0.72-0.95x Megatron, 1-2 pieces 0.99-1.02x.
+PIECES, MIN_PIECE_FLOP = 4, 2.5e11
+
+
+def piece_count(rows: int, flop_per_row: float, pieces: int, min_piece_flop: float) -> int:
+    """Pieces a chunk of ``rows`` is cut into: at most ``pieces``, each >= ``min_piece_flop``
+    (``min_piece_flop`` <= 0: exactly ``pieces``)."""
+    if min_piece_flop <= 0:
+        return pieces
+    return max(1, min(pieces, int(rows * flop_per_row // min_piece_flop)))
+
+
+def piece_bounds(rows: int, count: int) -> list[tuple[int, int]]:
+    """``count`` contiguous row ranges covering ``rows`` (sizes differ by at most one)."""
+    count = max(1, min(count, rows))
+    edges = [rows * i // count for i in range(count + 1)]
+    return list(zip(edges[:-1], edges[1:], strict=True))
+
 
 @dataclass
 class BlockTP:
@@ -127,10 +150,66 @@ def pipelined_pass(steps: int, step_gemm: float, hop: float, overlap: float) -> 
     return steps * step_gemm, (steps - 1) * _beside(hop, step_gemm, overlap)
 
 
-def ring_block(
+def ring_mlp_pieces(model: ModelSpec, tokens: float, tp: int) -> int:
+    """Row pieces a fused ring MLP cuts each chunk's partial sum into (``layers/ring_mlp``'s
+    rule: at most PIECES, each worth MIN_PIECE_FLOP of forward GEMM work)."""
+    _, _, fc1, fc2 = block_linears(model)
+    flop_per_row = 2 * (fc1.n * fc1.k + fc2.n * fc2.k) / tp
+    return piece_count(int(tokens / tp), flop_per_row, PIECES, MIN_PIECE_FLOP)
+
+
+def fused_ring_mlp(
     model: ModelSpec, tokens: float, tp: int, hop_link: Link, speed: Speed, overlap: float
+) -> tuple[Phase, Phase, float]:
+    """(GEMM seconds, exposed comm seconds, one hop's seconds) of the MLP as one fused ring
+    pass (``layers/ring_mlp.py``), P = t, k pieces (:func:`ring_mlp_pieces`), g = a chunk's
+    work (both GEMMs forward; their dgrad + wgrad backward), H = one ``T/P x h`` hop.
+
+    Each pass (forward: X rotates, partial sums of Y travel; backward: dY rotates, partial
+    sums of dX travel) runs the own chunk but its last piece beside the first rotation hop,
+    then P - 1 chunk steps whose partial sums (and, but for the last step, the next rotation:
+    two hops on the link) leave piece by piece beside that step's work, the own last piece
+    covering the final partial sum::
+
+        exposed = beside(H, g (k-1)/k) + sum_{t=1}^{P-1} beside(hops_t H, g)
+
+    with ``beside`` as the ring's (module docstring); with k = 1 the last step's partial sum
+    has no work beside it. The backward does not rotate X (the forward kept the chunks), and
+    recomputes act(A) for all T tokens: one more elementwise pass reading fc1's output (e f/t,
+    GLU 2 e f/t) and writing act(A) (e f/t), counted with the backward GEMMs."""
+    _, _, fc1, fc2 = block_linears(model)
+    p, chunk = tp, tokens / tp
+    k = ring_mlp_pieces(model, tokens, tp)
+    steps = (Gemm(chunk, fc1.n / p, fc1.k), Gemm(chunk, fc2.n, fc2.k / p))
+    g_fwd = speed.gemms(list(steps))
+    g_bwd = speed.gemms([back for s in steps for back in (s.dgrad(), s.wgrad())])
+    hop = hop_link.p2p(speed.e * chunk * model.hidden_size)
+
+    def exposed(g: float) -> float:
+        head = g * (k - 1) / k if k > 1 else g
+        total = _beside(hop, head, overlap)
+        for t in range(1, p):
+            hops = 2 if t < p - 1 else 1
+            window = g if (k > 1 or t < p - 1) else 0.0
+            total += _beside(hops * hop, window, overlap)
+        return total
+
+    recompute = speed.elementwise(speed.e * tokens * (fc1.n + fc2.k) / p)
+    gemm = Phase(p * g_fwd, p * g_bwd + recompute)
+    return gemm, Phase(exposed(g_fwd), exposed(g_bwd)), hop
+
+
+def ring_block(
+    model: ModelSpec,
+    tokens: float,
+    tp: int,
+    hop_link: Link,
+    speed: Speed,
+    overlap: float,
+    fused_mlp: bool = False,
 ) -> BlockTP:
-    """Ring (P = t): chunk GEMMs of T/P tokens, neighbour hops of T/P x dim chunks."""
+    """Ring (P = t): chunk GEMMs of T/P tokens, neighbour hops of T/P x dim chunks; with
+    ``fused_mlp`` the MLP as :func:`fused_ring_mlp`."""
     p, e = tp, speed.e
     chunk = tokens / p
     result = BlockTP(Phase(0, 0), Phase(0, 0))
@@ -141,7 +220,13 @@ def ring_block(
         result.count("p2p", hop, p - 1)
         return pipelined_pass(p, speed.gemms(step_gemms), hop, overlap)
 
-    for lin in block_linears(model):
+    linears = block_linears(model)
+    if fused_mlp and p > 1:
+        gemm, comm, hop = fused_ring_mlp(model, tokens, p, hop_link, speed, overlap)
+        result.count("p2p", hop, 4 * (p - 1))
+        fwd_g, bwd_g, fwd_c, bwd_c = gemm.fwd, gemm.bwd, comm.fwd, comm.bwd
+        linears = linears[:2]
+    for lin in linears:
         if lin.column:  # W_d = W[:, n/P]; X chunks (T/P x k) rotate
             step = Gemm(chunk, lin.n / p, lin.k)
             g, c = run([step], lin.k)

@@ -1,0 +1,230 @@
+"""Instance A for a whole MLP block: fc1 (column) -> activation -> fc2 (row) as one ring pass.
+
+Per-linear rings (``ring.py``) overlap a hop only with the one sub-GEMM beside it. At P = 2 a
+ring pass has a single hop carrying half the activation, so on a slow link, where that hop takes
+2-4x the sub-GEMM, most of it stays exposed. Fused, every hop overlaps the *whole block's* work
+on a chunk (both GEMMs, the activation), and the reduce of fc2's partial outputs is cut into
+row pieces that leave as soon as each piece is computed, behind the next piece's GEMMs.
+
+Notation as ``ring.py``: Y = X W^T, M tokens sequence-major (chunk c of P is a contiguous block
+of M/P rows), rank d of P, F = fc1's output features (2f for a GLU), F' = fc2's input features::
+
+    x_shard_m [M/P, K] (chunk d)  w1 [F/P, K]  b1 [F/P]  w2 [K, F'/P]  ->  y_shard_m [M/P, K]
+
+    forward:  X chunks rotate (d -> d-1); step t holds chunk c = (d+t) % P:
+                A[c] = X[c] W1_d^T + b1_d      (saved)
+                Z    = act(A[c]) W2_d^T        rank d's term of Y[c]
+              t = 0: Z is kept (own chunk). t >= 1: Z is cut into row pieces; each piece adds
+              the partial sum for c received from d+1 (sent at step t-1; t >= 2) and goes on to
+              d-1 at once. The sum leaving rank c+1 at step P-1 has every term but c's own,
+              which c adds at the end: P-1 hops of X, P-1 hops of partial sums.
+    backward: dY chunks rotate the same way; step t, chunk c:
+                H = act(A[c]) (recomputed)     dW2_d += dY[c]^T H
+                dA = act'(A[c]) (dY[c] W2_d)   dW1_d += dA^T X[c]    db1_d += sum_rows dA
+                rank d's term of dX[c] = dA W1_d, summed over the ranks like Y[c] above.
+
+Saved for backward: every X chunk (``[M, K]``, they all passed through in the forward; keeping
+them saves the third activation stream a memory-lean backward would need) and the
+pre-activation A (``[M, F/P]``), not act(A): the activation is recomputed per piece, one
+elementwise pass. Against Megatron TP+SP, which saves X's own chunk, A and act(A)
+(``M K/P + M F/P + M F'/P``), this holds ``M K + M F/P``: at P = 2 with F = F' = 4K, 3 MK
+instead of 4.5 MK. Communication volume equals Megatron's all-gather / reduce-scatter minus
+the backward's re-gather of X: four streams of (P-1)/P of the activation instead of five.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from ds_stpar.layers.comm import Group, Message, PendingP2P, ring_pass, start_p2p
+from ds_stpar.layers.wgrad import WeightGrad
+from ds_stpar.planner.tensor_parallel import MIN_PIECE_FLOP, PIECES, piece_bounds, piece_count
+
+Activation = Callable[[Tensor], Tensor]
+
+_ROTATE_TAG = 0  # gloo tells the streams apart by tag (NCCL by order, the same on every rank)
+
+
+def _accumulate_around_ring(
+    group: Group,
+    rotate: Tensor,
+    term: Callable[[int, Tensor, int, int], Tensor],
+    bounds: list[tuple[int, int]],
+    gathered: Tensor | None = None,
+) -> Tensor:
+    """The schedule of the module docstring; partial sums travel in row pieces ``bounds``.
+
+    ``rotate``: this rank's chunk d ``[rows, ...]``; ``term(c, chunk_c, lo, hi)``: this rank's
+    term of the sum for rows ``lo:hi`` of chunk c, as a fresh tensor. ``gathered``:
+    ``[P * rows, ...]`` to keep every chunk in (chunk c lands in rows c); else two spare
+    buffers. Returns the complete sum for chunk d.
+
+    Order of the work: this rank's own chunk but its last piece's rows (while the first hop
+    travels), the pieces of the other chunks (each partial sum leaving when computed), then the
+    own chunk's last rows (while the last partial sum travels).
+
+    A rotating chunk travels whole: one message per hop. Cutting it into pieces as well was
+    measured slower over both links on 2 x H200 (BENCHMARKS.md, fourth session): NCCL's
+    per-message cost over host memory outweighs the shorter exposed first piece.
+    """
+    size, me = group.size(), group.rank()
+    left, right = (me - 1) % size, (me + 1) % size
+    rows = rotate.shape[0]
+    if gathered is not None:
+        gathered[me * rows : (me + 1) * rows].copy_(rotate)
+        slots = [gathered[c * rows : (c + 1) * rows] for c in range(size)]
+        landing = [slots[(me + t) % size] for t in range(size)]
+    else:
+        spares = [torch.empty_like(rotate) for _ in range(min(2, size - 1))]
+        landing = [rotate] + [spares[t % 2] for t in range(size - 1)]
+    if size == 1:
+        return term(me, rotate, 0, rows)
+
+    def start_rotation(step: int) -> PendingP2P:
+        sends = [Message(landing[step], left, _ROTATE_TAG)]
+        return start_p2p(sends, [Message(landing[step + 1], right, _ROTATE_TAG)], group)
+
+    rotation = start_rotation(0)
+    tail = bounds[-1][0] if len(bounds) > 1 else rows  # own rows left for the end
+    own_parts = [term(me, rotate, 0, tail)]
+    inbox = [own_parts[0].new_empty((hi - lo, *own_parts[0].shape[1:])) for lo, hi in bounds]
+    incoming: list[PendingP2P | None] = [None] * len(bounds)
+    for step in range(1, size):
+        chunk = rotation.wait()[0]
+        if step < size - 1:
+            rotation = start_rotation(step)
+        here = (me + step) % size
+        for i, (lo, hi) in enumerate(bounds):
+            partial = term(here, chunk, lo, hi)
+            if incoming[i] is not None:
+                partial.add_(incoming[i].wait()[0])
+            # The received piece was added (queued before this batch) so its buffer is free.
+            tag = _ROTATE_TAG + 1 + i
+            incoming[i] = start_p2p(
+                [Message(partial, left, tag)], [Message(inbox[i], right, tag)], group
+            )
+    if tail < rows:
+        own_parts.append(term(me, rotate, tail, rows))
+    own = own_parts[0] if len(own_parts) == 1 else torch.cat(own_parts)
+    for (lo, hi), pending in zip(bounds, incoming, strict=True):
+        own[lo:hi].add_(pending.wait()[0])
+    return own
+
+
+def _recompute_activation(act: Activation, a: Tensor, grad_h: Tensor | None):
+    """(act(a), d act(a) / d a applied to ``grad_h``) from a fresh graph on ``a``."""
+    with torch.enable_grad():
+        a = a.detach().requires_grad_()
+        h = act(a)
+    (grad_a,) = torch.autograd.grad(h, a, grad_h)
+    return h.detach(), grad_a
+
+
+class _RingMLP(torch.autograd.Function):
+    """forward / backward: the schedule of the module docstring."""
+
+    @staticmethod
+    def forward(ctx, x_shard_m, w1, b1, w2, act, group, main_grad1, main_grad2, pieces):
+        size = group.size()
+        x_tokens = x_shard_m.reshape(-1, x_shard_m.shape[-1])
+        rows = x_tokens.shape[0]
+        bounds = piece_bounds(rows, piece_count(rows, 2 * (w1.numel() + w2.numel()), *pieces))
+        x_all = x_tokens.new_empty(size * rows, x_tokens.shape[1])
+        a_all = x_tokens.new_empty(size * rows, w1.shape[0])
+
+        def term(c: int, x_c: Tensor, lo: int, hi: int) -> Tensor:
+            a = a_all[c * rows + lo : c * rows + hi]
+            if b1 is None:
+                torch.mm(x_c[lo:hi], w1.t(), out=a)
+            else:
+                torch.addmm(b1, x_c[lo:hi], w1.t(), out=a)
+            return act(a) @ w2.t()
+
+        y_tokens = _accumulate_around_ring(group, x_tokens, term, bounds, gathered=x_all)
+        ctx.save_for_backward(x_all, a_all, w1, b1, w2)
+        ctx.act, ctx.group, ctx.bounds = act, group, bounds
+        ctx.main_grads = (main_grad1, main_grad2)
+        ctx.x_shape = x_shard_m.shape
+        return y_tokens.view(*x_shard_m.shape[:-1], w2.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        x_all, a_all, w1, b1, w2 = ctx.saved_tensors
+        need_dx, need_dw1, need_db1, need_dw2 = ctx.needs_input_grad[:4]
+        dy_tokens = grad_output.contiguous().view(-1, w2.shape[0])
+        rows = dy_tokens.shape[0]
+        wgrad1 = WeightGrad(w1, ctx.main_grads[0]) if need_dw1 else None
+        wgrad2 = WeightGrad(w2, ctx.main_grads[1]) if need_dw2 else None
+        # the bias gradient sums over every token: accumulate at least in fp32
+        db1 = (
+            torch.zeros_like(b1, dtype=torch.promote_types(b1.dtype, torch.float32))
+            if need_db1
+            else None
+        )
+
+        def grad_pre_activation(c: int, dy_c: Tensor, lo: int, hi: int) -> Tensor:
+            """dA for rows lo:hi of chunk c, accumulating this rank's weight and bias grads."""
+            at = slice(c * rows + lo, c * rows + hi)
+            h, da = _recompute_activation(ctx.act, a_all[at], dy_c[lo:hi] @ w2)
+            if wgrad2 is not None:
+                wgrad2.add(dy_c[lo:hi], h)
+            if wgrad1 is not None:
+                wgrad1.add(da, x_all[at])
+            if db1 is not None:
+                db1.add_(da.sum(0, dtype=db1.dtype))
+            return da
+
+        if need_dx:
+            dx_tokens = _accumulate_around_ring(
+                ctx.group,
+                dy_tokens,
+                lambda c, dy_c, lo, hi: grad_pre_activation(c, dy_c, lo, hi) @ w1,
+                ctx.bounds,
+            )
+            dx = dx_tokens.view(ctx.x_shape)
+        else:
+            ring_pass(
+                ctx.group,
+                rotate=dy_tokens,
+                visit=lambda c, dy_c: grad_pre_activation(c, dy_c, 0, rows),
+            )
+            dx = None
+        dw1 = wgrad1.result(x_all.dtype) if wgrad1 is not None else None
+        dw2 = wgrad2.result(x_all.dtype) if wgrad2 is not None else None
+        db1 = db1.to(b1.dtype) if db1 is not None else None
+        return dx, dw1, db1, dw2, None, None, None, None, None
+
+
+def ring_mlp(
+    x_shard_m: Tensor,
+    w1: Tensor,
+    b1: Tensor | None,
+    w2: Tensor,
+    act: Activation,
+    group: Group,
+    main_grad1: Tensor | None = None,
+    main_grad2: Tensor | None = None,
+    pieces: int = PIECES,
+    min_piece_flop: float = MIN_PIECE_FLOP,
+) -> Tensor:
+    """``[s/P, b, K]`` (sequence chunk d) -> ``[s/P, b, K]``: fc2(act(fc1(x) + b1)) over the
+    ring of ``group`` (module docstring), fc2's bias left to the caller (Megatron's
+    ``skip_bias_add``). ``w1 [F/P, K]`` and ``w2 [K, F'/P]`` are Megatron's shards; ``act``
+    maps ``[..., F/P] -> [..., F'/P]`` (a GLU halves it). ``main_grad1/2``: accumulate the
+    weight gradients there in fp32 (Megatron's gradient_accumulation_fusion). Chunks travel in
+    at most ``pieces`` row pieces of at least ``min_piece_flop`` forward GEMM FLOPs each
+    (``min_piece_flop`` <= 0: exactly ``pieces``)."""
+    return _RingMLP.apply(
+        x_shard_m.contiguous(),
+        w1,
+        b1,
+        w2,
+        act,
+        group,
+        main_grad1,
+        main_grad2,
+        (pieces, min_piece_flop),
+    )
