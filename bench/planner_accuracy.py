@@ -42,6 +42,8 @@ class Case:
     pp: int
     tp_mode: str = "megatron"
     recompute: str = "none"
+    # ring: the MLP as one fused ring pass; False (rows saved before it existed): two linears
+    fused_ring_mlp: bool = False
 
 
 GPU_CASES = [
@@ -66,7 +68,14 @@ GPU_CASES = [
     Case("gpt3-2.7b", 8192, 8, 1, dp=1, tp=4, pp=1, tp_mode="cannon"),
     # the static layout of bench/hotswitch.py's 3B model at 32K (attention-heavy rows)
     Case("bench/models/llama-3b.json", 32768, 4, 1, dp=2, tp=2, pp=1),
+    # case 7 with the ring's MLP as one fused ring pass
+    Case("gpt3-1.3b", 4096, 8, 1, dp=1, tp=2, pp=1, tp_mode="ring", fused_ring_mlp=True),
 ]
+
+
+def mode_name(case: Case) -> str:
+    """The TP mode as the tables print it (``ring+fused-mlp`` for the fused ring MLP)."""
+    return case.tp_mode + ("+fused-mlp" if case.tp_mode == "ring" and case.fused_ring_mlp else "")
 
 
 def model_spec(name: str):
@@ -97,6 +106,7 @@ def predict(case: Case, spec, gpu_name: str, world: int, profile=None):
         zero=1,
         recompute=case.recompute,
         sequence_parallel=case.tp > 1,
+        fused_ring_mlp=case.fused_ring_mlp,
     )
     calibration = Calibration.load_default(gpu_name, stack="megatron-core-local")
     spec = dataclasses.replace(spec, max_position_embeddings=case.seq_len)
@@ -167,12 +177,15 @@ def run_case(
         micro_batch=case.micro_batch,
         recompute=case.recompute,
         sequence_parallel=case.tp > 1,
+        fused_ring_mlp=case.fused_ring_mlp,
     )
     config = transformer_config(spec, strategy, "bf16")
     config.finalize_model_grads_func = finalize_model_grads
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_block_stpar_spec(config, case.tp_mode),
+        transformer_layer_spec=get_gpt_block_stpar_spec(
+            config, case.tp_mode, fused_ring_mlp=case.fused_ring_mlp
+        ),
         vocab_size=spec.vocab_size,
         max_sequence_length=case.seq_len,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -376,7 +389,7 @@ def print_table(rows: list[dict], profile=None) -> None:
     print("|" + "---|" * (head.count("|") - 1))
     t_err, m_err = [], []
     for r in rows:
-        case = Case(**{k: r[k] for k in Case.__dataclass_fields__})
+        case = Case(**{k: r[k] for k in Case.__dataclass_fields__ if k in r})
         pred = predict(case, model_spec(case.model), r["gpu"], r["world"], profile)
         te = pred.step_time_s / r["step_s"] - 1
         pred_alloc = predicted_allocated_gib(pred)
@@ -386,7 +399,7 @@ def print_table(rows: list[dict], profile=None) -> None:
         bound = "host" if pred.time_breakdown.get("host_bound", 0.0) > 0 else "GPU"
         print(
             f"| {r['model']} | {r['seq_len']} | {r['global_batch']} | {r['micro_batch']} "
-            f"| {r['dp']} | {r['tp']} | {r['pp']} | {r['tp_mode']} | {r['recompute']} "
+            f"| {r['dp']} | {r['tp']} | {r['pp']} | {mode_name(case)} | {r['recompute']} "
             f"| {r['step_s']:.3f} | {pred.step_time_s:.3f} | {te:+.1%} | {bound} "
             f"| {r['peak_gib']:.2f} | {pred_alloc:.2f} | {me:+.1%} |"
         )

@@ -199,6 +199,8 @@ def test_static_baseline_is_what_the_training_loop_runs():
     assert plan.static.strategy == best_runnable.strategy
     assert plan.static_step_s == pytest.approx(best_runnable.step_time_s, rel=REL)
     assert ranked[0].strategy.short() in plan.note
+    # one sentence per clause, none left dangling
+    assert not plan.note.rstrip().endswith(";") and "; ;" not in plan.note
 
 
 def test_min_buckets_gives_the_best_bucketed_plan_even_where_static_wins(skewed_plan):
@@ -341,6 +343,19 @@ def test_plot_without_matplotlib_names_the_extra(capsys, stdlib_jsonl, tmp_path,
         capsys, "buckets", "--data", stdlib_jsonl[0], *ARGS_8K, "--plot", str(tmp_path / "x.png")
     )
     assert code == 2 and "pip install ds_stpar[plot]" in err and len(err.splitlines()) == 1
+
+
+def test_bucketed_plan_notes_a_faster_static_layout_it_cannot_run(capsys, encodings_jsonl):
+    # docs/seqbucket.md, "Where bucketing pays": two buckets beat the best runnable static
+    # layout, while a PP layout the loop cannot run is predicted faster still; the note says
+    # so in one clause (it once ended in a dangling "; ").
+    argv = ["buckets", "--data", encodings_jsonl, "--model", "gpt3-1.3b", "--gpus", "2"]
+    argv += ["--seq-len", "32768", "--global-batch", "128", "--stack", "fused", "--json"]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    data = json.loads(out)
+    assert len(data["buckets"]) == 2 and data["speedup"] > 1
+    assert "pp2" in data["note"] and data["note"].endswith("runs pp=1 and ZeRO 0-2 only")
 
 
 def test_plan_data_writes_buckets_that_read_back(capsys, encodings_jsonl, tmp_path):

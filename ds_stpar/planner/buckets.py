@@ -914,7 +914,7 @@ class _Planner:
             strategy, step_s = self.unrunnable
             common["note"] = (
                 f"{strategy.short()} is predicted faster as a static layout ({step_s:.3f} s "
-                "per step), but ds_stpar's training loop runs pp=1 and ZeRO 0-2 only; "
+                "per step), but ds_stpar's training loop runs pp=1 and ZeRO 0-2 only"
             )
         if found is None:  # the static layout: one bucket, no switch
             stats = self.stats(0, seq_len)
@@ -940,8 +940,15 @@ class _Planner:
                 bucketed_step_s=static.step_s,
                 **{
                     **common,
-                    "note": common.get("note", "")
-                    + "no bucketed plan is faster than the best static layout",
+                    "note": "; ".join(
+                        filter(
+                            None,
+                            (
+                                common.get("note"),
+                                "no bucketed plan is faster than the best static layout",
+                            ),
+                        )
+                    ),
                 },
             )
         home, edge_set, away = found
