@@ -92,7 +92,8 @@ def test_gpt_parameter_count_and_vocab_parallel_cross_entropy():
 
 
 def _spec_parity(rank: int, world: int) -> None:
-    """GPTModel with ds_stpar's spec (ring; Megatron linears + SP) vs Megatron's local spec."""
+    """GPTModel with ds_stpar's spec (Megatron linears + SP; ring with its MLP fused, fused
+    under full activation recompute, and as two ring linears) vs Megatron's local spec."""
     from ds_stpar.integrations import megatron_cpu
 
     megatron_cpu.apply()
@@ -140,11 +141,16 @@ def _spec_parity(rank: int, world: int) -> None:
         return loss.detach(), grads
 
     ref_loss, ref_grads = loss_and_grads(reference)
-    for tp_mode in ("megatron", "ring"):
-        config = transformer_config(
-            spec, Strategy(Layout(tp=world, tp_mode=tp_mode), sequence_parallel=True), "fp32"
+    variants = (("megatron", True, "none"), ("ring", True, "none"), ("ring", True, "full"))
+    for tp_mode, fused, recompute in (*variants, ("ring", False, "none")):
+        strategy = Strategy(
+            Layout(tp=world, tp_mode=tp_mode),
+            recompute=recompute,
+            sequence_parallel=True,
+            fused_ring_mlp=fused,
         )
-        ours = build(get_gpt_block_stpar_spec(config, tp_mode), config)
+        config = transformer_config(spec, strategy, "fp32")
+        ours = build(get_gpt_block_stpar_spec(config, tp_mode, fused_ring_mlp=fused), config)
         missing, unexpected = ours.load_state_dict(reference.state_dict(), strict=False)
         assert not [k for k in missing + unexpected if not k.endswith("_extra_state")], (
             missing,
@@ -157,7 +163,7 @@ def _spec_parity(rank: int, world: int) -> None:
         assert grads.keys() == ref_grads.keys()
         for name, grad in grads.items():
             torch.testing.assert_close(
-                grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=f"{tp_mode}: {name}"
+                grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=f"{strategy.short()}: {name}"
             )
     parallel_state.destroy_model_parallel()
 
