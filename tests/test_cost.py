@@ -745,7 +745,7 @@ def test_ring_mlp_fused_or_linear_matches_the_layer_benchmark(link):
     # ("ring-linear"), links from the MLP run of the same call, the shipped overlap (the
     # slow link's own "hop hidden" median only says its hops outlast a chunk GEMM). Every case
     # within 10% (one excluded: the fused NVLink h 4096 / 8K row, 20.77 ms against 9.07 for
-    # its ring-linear twin and 9.7 ms on H200 for the same code, a host stall), and the
+    # its ring-linear twin, a stall: two reruns of that case took 9.45 and 9.49 ms), and the
     # planner must rank fused vs linear as measured in every case: linear faster over NVLink,
     # fused faster over the slow link -- the choice the search makes with this model.
     mlp = json.loads((FUSED / f"layers-{link}-mlp.json").read_text())
