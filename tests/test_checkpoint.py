@@ -56,8 +56,10 @@ def _reference_and_layout_change(rank: int, world: int, tmp: Path) -> None:
 
     os.environ["LOCAL_RANK"] = str(rank)
     run(_opts(TINY, tmp, "ref", STEPS, save=str(tmp / "ref_ckpt"), save_interval=2))
-    # resume step 2 under other layouts and ZeRO 2: home DP2, short bucket ring TP2
-    other = _config(tmp, "other.json", [{"tp": 2, "tp_mode": "ring"}, {"dp": 2}], zero=2)
+    # resume step 2 under other layouts and ZeRO 2: home DP2, short bucket ring TP2. One file
+    # per rank: two ranks rewriting one file let a rank read it while the other truncated it.
+    layouts = [{"tp": 2, "tp_mode": "ring"}, {"dp": 2}]
+    other = _config(tmp, f"other-{rank}.json", layouts, zero=2)
     run(_opts(other, tmp, "other", 4, load=str(tmp / "ref_ckpt" / "step-00000002")))
 
 
