@@ -324,6 +324,7 @@ class Runtime:
     repeats: int
     pool: int
     label: str
+    ring_piecing: dict[str, float]  # ring_mlp's pieces / min_piece_flop (unset: its defaults)
 
     @property
     def cuda(self) -> bool:
@@ -423,15 +424,17 @@ class MLPBlock(torch.nn.Module):
 
 class RingMLPBlock(MLPBlock):
     """The same block over fc1's and fc2's ring weights as one fused ring pass (ring_mlp);
-    ``PIECING`` (pieces, min_piece_flop) from --ring-pieces / --ring-min-piece-flop."""
+    ``piecing``: its pieces / min_piece_flop (--ring-pieces / --ring-min-piece-flop)."""
 
-    PIECING: dict[str, float] = {}
+    def __init__(self, fc1: torch.nn.Module, fc2: torch.nn.Module, piecing: dict[str, float]):
+        super().__init__(fc1, fc2)
+        self.piecing = piecing
 
     def forward(self, x: Tensor) -> Tensor:
         from ds_stpar.layers.ring_mlp import ring_mlp
 
         fc1, fc2 = self.fc1, self.fc2
-        return ring_mlp(x, fc1.weight, None, fc2.weight, F.gelu, fc1.tp_group, **self.PIECING)
+        return ring_mlp(x, fc1.weight, None, fc2.weight, F.gelu, fc1.tp_group, **self.piecing)
 
 
 class PlainLinear(torch.nn.Module):
@@ -620,7 +623,8 @@ def build_mlp(variant: str, case: Case, rt: Runtime, async_name: str | None) -> 
             tp_group=group,
             **extra,
         )
-        block = (RingMLPBlock if variant == "ring" else MLPBlock)(fc1, fc2).to(rt.device)
+        block = RingMLPBlock(fc1, fc2, rt.ring_piecing) if variant == "ring" else MLPBlock(fc1, fc2)
+        block = block.to(rt.device)
         return Built(block, block, sp, tp_shard)
     if variant == "async-tp":
         if async_name is None:
@@ -1108,15 +1112,19 @@ def init_runtime(args: argparse.Namespace) -> Runtime:
         repeats=args.repeats,
         pool=args.pool,
         label=args.label,
+        ring_piecing={
+            key: value
+            for key, value in (
+                ("pieces", args.ring_pieces),
+                ("min_piece_flop", args.ring_min_piece_flop),
+            )
+            if value is not None
+        },
     )
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.ring_pieces is not None:
-        RingMLPBlock.PIECING["pieces"] = args.ring_pieces
-    if args.ring_min_piece_flop is not None:
-        RingMLPBlock.PIECING["min_piece_flop"] = args.ring_min_piece_flop
     rt = init_runtime(args)
     lead = rt.rank == 0
     async_name = None

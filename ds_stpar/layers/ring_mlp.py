@@ -41,11 +41,18 @@ from torch import Tensor
 
 from ds_stpar.layers.comm import Group, Message, PendingP2P, ring_pass, start_p2p
 from ds_stpar.layers.wgrad import WeightGrad
-from ds_stpar.planner.tensor_parallel import MIN_PIECE_FLOP, PIECES, piece_bounds, piece_count
+from ds_stpar.planner.tensor_parallel import MIN_PIECE_FLOP, PIECES, piece_count
 
 Activation = Callable[[Tensor], Tensor]
 
 _ROTATE_TAG = 0  # gloo tells the streams apart by tag (NCCL by order, the same on every rank)
+
+
+def _piece_bounds(rows: int, count: int) -> list[tuple[int, int]]:
+    """``count`` contiguous row ranges covering ``rows`` (sizes differ by at most one)."""
+    count = max(1, min(count, rows))
+    edges = [rows * i // count for i in range(count + 1)]
+    return list(zip(edges[:-1], edges[1:], strict=True))
 
 
 def _accumulate_around_ring(
@@ -131,7 +138,7 @@ class _RingMLP(torch.autograd.Function):
         size = group.size()
         x_tokens = x_shard_m.reshape(-1, x_shard_m.shape[-1])
         rows = x_tokens.shape[0]
-        bounds = piece_bounds(rows, piece_count(rows, 2 * (w1.numel() + w2.numel()), *pieces))
+        bounds = _piece_bounds(rows, piece_count(rows, 2 * (w1.numel() + w2.numel()), *pieces))
         x_all = x_tokens.new_empty(size * rows, x_tokens.shape[1])
         a_all = x_tokens.new_empty(size * rows, w1.shape[0])
 

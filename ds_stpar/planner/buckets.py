@@ -126,7 +126,7 @@ from ds_stpar.planner import rules
 from ds_stpar.planner.compute import Speed
 from ds_stpar.planner.cost import Estimate, Evaluator
 from ds_stpar.planner.profile import Calibration
-from ds_stpar.planner.search import MAX_MICRO_BATCH, families, search
+from ds_stpar.planner.search import MAX_MICRO_BATCH, families, knob_grid, search
 from ds_stpar.seqbucket.lengths import split_lengths
 from ds_stpar.seqbucket.packing import Piece, pack_best_fit
 from ds_stpar.seqbucket.shards import Placement, model_param_specs
@@ -589,16 +589,6 @@ def runnable(strategy: Strategy) -> bool:
     return strategy.layout.pp == 1 and strategy.zero in HOME_ZERO
 
 
-def _knobs(layout: Layout, flash: bool) -> list[tuple[bool, str, bool]]:
-    """(sequence parallel, recompute, fused ring MLP) as the search enumerates them (rules 9,
-    14, 15; the ring's MLP both ways)."""
-    tp, mode = layout.tp, layout.tp_mode
-    sps = (True,) if tp > 1 and mode != "megatron" else ((False, True) if tp > 1 else (False,))
-    recomputes = ("none", "full") if flash else ("none", "selective", "full")
-    fusions = (True, False) if mode == "ring" and tp > 1 else (True,)
-    return [(sp, rc, fused) for sp in sps for rc in recomputes for fused in fusions]
-
-
 MICRO_BATCH_SIZES = tuple(1 << k for k in range(int(math.log2(MAX_MICRO_BATCH)) + 1))
 """Micro-batches a bucket layout is tried with: powers of two up to MAX_MICRO_BATCH."""
 
@@ -673,7 +663,7 @@ class _Planner:
         flash = self.cal.flash_attention
         for layout in self.layouts:
             zeros = (0,) if not home or layout.dp == 1 else HOME_ZERO
-            for zero, (sp, rc, fused) in itertools.product(zeros, _knobs(layout, flash)):
+            for zero, (sp, rc, fused) in itertools.product(zeros, knob_grid(layout, flash)):
                 for b in MICRO_BATCH_SIZES:
                     strategy = Strategy(layout, b, zero, rc, sp, fused_ring_mlp=fused)
                     probe = self.train_at(edge, b * layout.dp)

@@ -130,11 +130,12 @@ def families(
                     yield _Family(layout, zero, *split)
 
 
-def _knob_grid(fam: _Family, flash: bool) -> Iterator[tuple[bool, str, bool]]:
-    """(sequence_parallel, recompute, fused_ring_mlp): SP both ways for Megatron tp > 1,
-    always on for ring/Cannon (rules 14, 15), off for tp 1 (rule 9); selective only without
-    flash; the ring's MLP fused and as two ring linears (which wins depends on the link)."""
-    tp, mode = fam.layout.tp, fam.layout.tp_mode
+def knob_grid(layout: Layout, flash: bool) -> Iterator[tuple[bool, str, bool]]:
+    """(sequence_parallel, recompute, fused_ring_mlp) of ``layout``, as the search and the
+    bucket planner enumerate them: SP both ways for Megatron tp > 1, always on for ring/Cannon
+    (rules 14, 15), off for tp 1 (rule 9); selective only without flash; the ring's MLP fused
+    and as two ring linears (which wins depends on the link)."""
+    tp, mode = layout.tp, layout.tp_mode
     sps = (True,) if mode != "megatron" and tp > 1 else ((False, True) if tp > 1 else (False,))
     recomputes = ("none", "full") if flash else ("none", "selective", "full")
     fusions = (True, False) if mode == "ring" and tp > 1 else (True,)
@@ -238,7 +239,7 @@ class _Search:
         smallest = math.inf
         fitted = False
         flash = self.ev.cal.flash_attention
-        for sp, rc, fused in _knob_grid(fam, flash):
+        for sp, rc, fused in knob_grid(fam.layout, flash):
             for b in _micro_batches(fam, self.train):
                 m = self.train.global_batch // (b * fam.layout.dp)
                 any_fit = False

@@ -63,13 +63,6 @@ def piece_count(rows: int, flop_per_row: float, pieces: int, min_piece_flop: flo
     return max(1, min(pieces, int(rows * flop_per_row // min_piece_flop)))
 
 
-def piece_bounds(rows: int, count: int) -> list[tuple[int, int]]:
-    """``count`` contiguous row ranges covering ``rows`` (sizes differ by at most one)."""
-    count = max(1, min(count, rows))
-    edges = [rows * i // count for i in range(count + 1)]
-    return list(zip(edges[:-1], edges[1:], strict=True))
-
-
 @dataclass
 class BlockTP:
     gemm: Phase
