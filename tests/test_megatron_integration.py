@@ -314,3 +314,21 @@ def _cannon_glu_checkpoint(rank: int, world: int) -> None:
 
 def test_cannon_swiglu_mlp_checkpoint_is_megatrons():
     run_workers(_cannon_glu_checkpoint, 4)
+
+
+def test_fused_ring_mlp_flag_from_the_environment(monkeypatch):
+    # Megatron-LM's --spec imports a spec object, so the fusion comes from the environment:
+    # "0"/"1" choose, anything else is refused with the variable's name.
+    from ds_stpar.errors import ConfigError
+    from ds_stpar.layers.megatron_spec import get_gpt_layer_stpar_spec
+
+    for value, fused in (("0", False), ("1", True)):
+        monkeypatch.setenv("DS_STPAR_FUSED_RING_MLP", value)
+        assert get_gpt_layer_stpar_spec("ring").submodules.mlp.params["fused_ring"] is fused
+    monkeypatch.setenv("DS_STPAR_FUSED_RING_MLP", "yes")
+    with pytest.raises(ConfigError, match="DS_STPAR_FUSED_RING_MLP must be 0 or 1, got 'yes'"):
+        get_gpt_layer_stpar_spec("ring")
+    # an explicit argument wins over the environment
+    assert get_gpt_layer_stpar_spec("ring", fused_ring_mlp=False).submodules.mlp.params == {
+        "fused_ring": False
+    }
