@@ -306,6 +306,32 @@ def test_plan_cache_and_stats():
     assert w.stats.max_link_bytes(4) == 32
 
 
+@pytest.mark.parametrize("kind", ["weights", "grads"])
+@pytest.mark.parametrize("bound", [1, 40, 200, 10**9])
+def test_rounds_partition_the_plan_under_the_bound(kind, bound):
+    planner = SwitchPlanner(SPECS, gpus_per_node=2, min_slab=1)
+    plan = getattr(planner, kind)(Strategy(DP2TP2), Strategy(RING4))
+    rounds = plan.rounds(bound)
+    assert plan.rounds(bound) is rounds  # kept per bound
+    # every transfer exactly once, in plan order within each parameter
+    by_name = lambda ts: {n: [t for t in ts if t.name == n] for n in SPECS}  # noqa: E731
+    flat = [t for r in rounds for t in r.transfers]
+    assert sorted(map(repr, flat)) == sorted(map(repr, plan.transfers))
+    assert by_name(flat) == by_name(plan.transfers)
+    for r in rounds:
+        names = {t.name for t in r.transfers}
+        load = [s + v for s, v in zip(r.stats.sent_bytes(1), r.stats.received_bytes(1))]
+        assert max(load) <= bound or len(names) == 1, (bound, names, load)
+        assert r.kind == plan.kind and r.specs is plan.specs
+    # a parameter is never cut across rounds
+    first = {}
+    for k, r in enumerate(rounds):
+        for t in r.transfers:
+            assert first.setdefault(t.name, k) == k
+    moved = max(s + v for s, v in zip(plan.stats.sent_bytes(1), plan.stats.received_bytes(1)))
+    assert (len(rounds) == 1) == (bound >= moved)
+
+
 def test_switch_cost_matches_closed_form():
     # tp8 -> dp8 on one node: every rank receives the 7/8 of each TP-split weight it lacks
     # over NVLink; replicated parameters stay local. Bound = alpha + bytes / B_nvlink.
@@ -396,7 +422,8 @@ def _chain_worker(rank: int, world: int) -> None:
         target = {
             n: torch.full_like(t, float("nan")) for n, t in _locals(full, plan.dst, rank).items()
         }
-        pending = switch(current, target, plan, async_op=i % 2 == 1)
+        rounds = 40 if i % 3 == 2 else None  # some hops in rounds of at most 40 elements
+        pending = switch(current, target, plan, async_op=i % 2 == 1, round_elements=rounds)
         if pending is not None:
             pending.wait()
         expect = _locals(full, plan.dst, rank)
@@ -411,14 +438,17 @@ def _chain_worker(rank: int, world: int) -> None:
     # Tolerance: all contributions are positive (uniform [0, 1)), so each fp32 addition, in
     # whatever order, errs by at most 2^-24 of the final sum; at most 13 terms per element
     # (the norms of the first chain: 4 + 4 + 1 + 4 classes) -> 12 * 2^-24 = 7.2e-7 < 1e-6.
-    for layouts in (
-        [
-            Strategy(DP4),
-            Strategy(CANNON4),
-            Strategy(TP2PP2),
-            Strategy(DP2TP2, sequence_parallel=True),
-        ],
-        [Strategy(DP2TP2), Strategy(RING4), Strategy(DP4)],
+    for layouts, rounds in (
+        (
+            [
+                Strategy(DP4),
+                Strategy(CANNON4),
+                Strategy(TP2PP2),
+                Strategy(DP2TP2, sequence_parallel=True),
+            ],
+            None,
+        ),
+        ([Strategy(DP2TP2), Strategy(RING4), Strategy(DP4)], 40),
     ):
         reference = {n: torch.zeros(s.shape, dtype=torch.float64) for n, s in SPECS.items()}
         acc = None
@@ -429,7 +459,8 @@ def _chain_worker(rank: int, world: int) -> None:
                 for g, mask in per_class.values():
                     reference[n] += g.double() * mask
             if acc is not None:
-                switch_grads(acc, local, planner.grads(layouts[i - 1], strategy))
+                plan = planner.grads(layouts[i - 1], strategy)
+                switch_grads(acc, local, plan, round_elements=rounds)
             acc = local
         _home_reduce(acc, layouts[-1], rank, groups)
         expect = _locals(reference, planner.placement(layouts[-1]), rank)

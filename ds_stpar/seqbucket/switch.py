@@ -45,7 +45,12 @@ order (a model has one dtype, so one buffer per peer); identical send buffers (t
 to several peers) are packed once and share storage; all sends and receives go out in one
 ``torch.distributed.batch_isend_irecv`` (gloo and NCCL); received pieces are copied (weights)
 or added (gradients) into the target's local tensors. ``async_op=True`` returns a handle whose
-``wait()`` finishes the switch, so a caller can overlap it with other work.
+``wait()`` finishes the switch, so a caller can overlap it with other work. With
+``round_elements`` the plan runs as consecutive exchanges, cut by parameter
+(:meth:`SwitchPlan.rounds`), so the buffers never hold more than that many elements per rank
+(sent plus received) instead of everything the rank moves: the hot-switching runner moves a
+whole model's gradients between buckets, which in one exchange would need buffers of about
+a model shard.
 
 Pipeline parallelism
 --------------------
@@ -185,6 +190,7 @@ class SwitchPlan:
     transfers: tuple[Transfer, ...]
     stats: SwitchStats
     _programs: dict = field(default_factory=dict, repr=False)
+    _rounds: dict = field(default_factory=dict, repr=False)
 
     @property
     def world_size(self) -> int:
@@ -195,6 +201,46 @@ class SwitchPlan:
         if rank not in self._programs:
             self._programs[rank] = _Program.build(self, rank)
         return self._programs[rank]
+
+    def rounds(self, max_elements: int) -> tuple[SwitchPlan, ...]:
+        """This plan cut by parameter into consecutive exchanges that each move at most
+        ``max_elements`` into and out of any one rank (sent plus received: the executor's
+        buffers), a parameter above that alone being one round. The plan is global, so
+        every rank cuts it the same way. Kept per bound."""
+        if max_elements in self._rounds:
+            return self._rounds[max_elements]
+        by_name: dict[str, list[Transfer]] = defaultdict(list)
+        for t in self.transfers:
+            by_name[t.name].append(t)
+        world = self.world_size
+        groups: list[list[Transfer]] = []
+        load = [0] * world
+        for transfers in by_name.values():
+            extra = [0] * world
+            for t in transfers:
+                if t.src != t.dst:
+                    extra[t.src] += box_numel(t.box)
+                    extra[t.dst] += box_numel(t.box)
+            if groups and max(a + b for a, b in zip(load, extra)) <= max_elements:
+                groups[-1].extend(transfers)
+                load = [a + b for a, b in zip(load, extra)]
+            else:
+                groups.append(list(transfers))
+                load = extra
+        gpus_per_node = self.stats.gpus_per_node
+        out = tuple(
+            SwitchPlan(
+                self.kind,
+                self.src,
+                self.dst,
+                self.specs,
+                tuple(g),
+                SwitchStats.of(tuple(g), world, gpus_per_node),
+            )
+            for g in groups
+        )
+        self._rounds[max_elements] = out
+        return out
 
 
 class _Loads:
@@ -413,6 +459,18 @@ def switch_cost_s(
 # Executor
 # --------------------------------------------------------------------------------------
 
+SWITCH_ROUND_BYTES = 256 << 20
+"""The hot-switching runner's round (``round_elements`` = this / element size): at most this
+many bytes into and out of a rank per exchange, beyond a single larger parameter."""
+
+
+def switch_buffer_bytes(specs: Mapping[str, ParamSpec], itemsize: int) -> int:
+    """Upper bound of one rank's executor buffers (sent plus received) for a switch run in
+    rounds of ``SWITCH_ROUND_BYTES``: a round holds at most that, or one parameter, of which a
+    rank sends at most its copy and receives at most its target, each at most the whole."""
+    largest = max((math.prod(s.shape) for s in specs.values()), default=0)
+    return max(SWITCH_ROUND_BYTES, 2 * largest * itemsize)
+
 
 class PendingSwitch:
     """A switch whose messages are in flight; :meth:`wait` completes it."""
@@ -522,6 +580,15 @@ def _execute(src_t, dst_t, plan: SwitchPlan, group, accumulate: bool, async_op: 
     return None
 
 
+def _execute_rounds(src_t, dst_t, plan, group, accumulate, async_op, round_elements):
+    """:func:`_execute` once, or round by round (:meth:`SwitchPlan.rounds`), all but the last
+    waited for."""
+    parts = plan.rounds(round_elements) if round_elements else (plan,)
+    for part in parts[:-1]:
+        _execute(src_t, dst_t, part, group, accumulate, False)
+    return _execute(src_t, dst_t, parts[-1], group, accumulate, async_op)
+
+
 def switch(
     params_from: Mapping[str, torch.Tensor],
     params_to: Mapping[str, torch.Tensor],
@@ -529,16 +596,20 @@ def switch(
     group: dist.ProcessGroup | None = None,
     *,
     async_op: bool = False,
+    round_elements: int | None = None,
 ) -> PendingSwitch | None:
     """Fill this rank's local shards ``params_to`` (target layout) from ``params_from``
     (source layout) on every rank of ``group`` (default: the world; plan ranks are group
     ranks). Both dicts hold exactly this rank's parameters by global name; they must not share
-    storage. Collective over ``group``; with ``async_op`` returns a handle to ``wait()`` on.
+    storage. Collective over ``group``; with ``async_op`` returns a handle to ``wait()`` on
+    (for the last round). ``round_elements``: exchange in rounds moving at most that many
+    elements into and out of a rank (:meth:`SwitchPlan.rounds`; the same on every rank),
+    which bounds the buffers; default one exchange.
     NCCL: ranks with nothing to exchange skip ``batch_isend_irecv``, so the group must have
     run a collective before (PyTorch requires every rank in a group's first batched P2P)."""
     if plan.kind != "weights":
         raise ConfigError("switch() needs a weights plan: SwitchPlanner.weights(src, dst)")
-    return _execute(params_from, params_to, plan, group, False, async_op)
+    return _execute_rounds(params_from, params_to, plan, group, False, async_op, round_elements)
 
 
 def switch_grads(
@@ -548,10 +619,12 @@ def switch_grads(
     group: dist.ProcessGroup | None = None,
     *,
     async_op: bool = False,
+    round_elements: int | None = None,
 ) -> PendingSwitch | None:
     """Add the source layout's total gradient (``grads_from``: unreduced accumulators) into
     ``grads_to`` (target accumulators) so that each cell is added into exactly one partial-sum
-    class of the target (module docstring). ``grads_from`` is only read."""
+    class of the target (module docstring). ``grads_from`` is only read. ``async_op``,
+    ``round_elements``: as for :func:`switch`."""
     if plan.kind != "grads":
         raise ConfigError("switch_grads() needs a grads plan: SwitchPlanner.grads(src, dst)")
-    return _execute(grads_from, grads_to, plan, group, True, async_op)
+    return _execute_rounds(grads_from, grads_to, plan, group, True, async_op, round_elements)
