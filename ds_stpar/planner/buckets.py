@@ -50,23 +50,30 @@ and the trailing pad segment, ``cu_seqlens``), which costs ``sum_j l_j^2`` of a 
 flash-attention time (:func:`packed_estimate`); padding rows count 1. Unfused attention masks
 a full ``e x e`` matrix and is left as is. The static baseline is scaled the same way.
 
-Memory, per GPU (what the runner allocates; seqbucket/runner.py):
+Memory, per GPU (what the runner allocates; seqbucket/runner.py), bucket by bucket in the
+order they run (:meth:`_Planner.bucket_peaks_gib`):
 
 - always: the home layout's model states as the cost model counts them for its ZeRO stage
   (bf16 weights, gradients, fp32 master weights + Adam moments);
-- with any bucket on a model of its own: the carry, fp32 gradients of the home layout's
-  local shapes (``4 Psi_k``), and for each such bucket its model: ``e Psi_i`` weights and
-  ``4 Psi_i`` fp32 gradient accumulators (``Psi``: parameters per GPU of that layout). All
-  layouts' models stay resident for the whole step;
-- while bucket ``i`` runs: the cost model's activations, communication buffers, allocator
-  headroom and runtime reserve for ``S_i`` at ``e_i`` (layouts of their own keep no DP
-  reduction bucket, their gradient leaves through the switch; buckets on the home model keep
-  the home's; neither runs the optimizer step). ZeRO-2's reduce-scatter per micro-batch is
-  charged to the home bucket's micro-batches only. Switch
-  buffers are transient and live between buckets, when no activations are held; they are
-  not counted.
+- a bucket on a model of its own holds that model only while it runs and switches:
+  ``e Psi_i`` weights and ``4 Psi_i`` fp32 gradient accumulators (``Psi``: parameters per
+  GPU of that layout), plus the cost model's activations, communication buffers, allocator
+  headroom and runtime reserve for ``S_i`` at ``e_i`` (no DP reduction bucket: its gradient
+  leaves through the switch; no optimizer step), or, while its weights come in, the
+  switch's buffers instead of the activations (:func:`switch_buffer_bytes`: the runner
+  switches in rounds). When another such bucket ran since the last home-model bucket, the
+  *carry* (fp32 gradients of the home layout's local shapes, ``4 Psi_k``) is held too;
+  carrying the gradient home holds the carry, the bucket's gradients and the switch's
+  buffers, its weights already released;
+- a bucket on the home model (the home one, or one differing only in recompute or
+  micro-batch): the home states and its activations; the carry went into ``.grad`` before
+  its first forward. ZeRO-2's reduce-scatter per micro-batch is charged to the home bucket's
+  micro-batches only.
 
-Every bucket must fit: resident + its own active memory <= the GPU's memory.
+Every bucket must fit. Keeping every layout's model resident for the whole step, as a first
+version did, charged the home bucket at the context with every short layout's weights and
+gradients; at 32K tokens that decides whether a DP layout for short rows fits beside a TP
+home at all.
 
 What the runner executes restricts the bucketed strategies to ``pp = 1`` (Megatron's pipeline
 schedules need CUDA and a Megatron loop), home ZeRO <= 2 (ZeRO-3 shards the parameters that
@@ -130,7 +137,7 @@ from ds_stpar.planner.search import MAX_MICRO_BATCH, families, knob_grid, search
 from ds_stpar.seqbucket.lengths import split_lengths
 from ds_stpar.seqbucket.packing import Piece, pack_best_fit
 from ds_stpar.seqbucket.shards import Placement, model_param_specs
-from ds_stpar.seqbucket.switch import SwitchPlanner
+from ds_stpar.seqbucket.switch import SwitchPlanner, switch_buffer_bytes
 
 DEFAULT_MAX_BUCKETS = 4
 DEFAULT_MIN_EDGE = 256
@@ -431,8 +438,9 @@ class PlannedBucket:
     ``rows``: packed rows; ``micro_batches``: per DP rank (:func:`bucket_micro_batches`; the
     static plan's: :func:`static_micro_batches`); ``attention_ratio``: over the rows run,
     padding included; ``time_s``: forward + backward; ``switch_s``: weights in + gradients
-    out (0 for the home bucket); ``peak_memory_gib``: resident model states + this bucket's
-    activations and buffers.
+    out (0 for the home bucket); ``peak_memory_gib``: the most held while the bucket runs or
+    switches (the home model states, this bucket's model and the carry while they exist, its
+    activations and buffers).
     """
 
     lo: int
@@ -582,6 +590,22 @@ class _Option:
         return m * (self.t0 + ratio * (self.t1 - self.t0)), m, ratio
 
 
+def away_models(chosen: Sequence[_Option], home_key: Strategy) -> list[Strategy] | None:
+    """The models of their own that buckets ``chosen`` (shortest first) switch to, each once;
+    ``None`` when buckets sharing one are not adjacent (the runner would hold it across the
+    buckets between, which the memory account does not count)."""
+    keys: list[Strategy] = []
+    previous = None
+    for option in chosen:
+        key = option.key
+        if key != home_key and key != previous:
+            if key in keys:
+                return None
+            keys.append(key)
+        previous = key
+    return keys
+
+
 def runnable(strategy: Strategy) -> bool:
     """Whether ds_stpar's training loop runs ``strategy``: pp = 1 (Megatron's pipeline
     schedules need a Megatron loop) and ZeRO 0-2 (ZeRO-3 shards the parameters that the
@@ -626,6 +650,10 @@ class _Planner:
                 if fam.layout not in self.layouts:
                     self.layouts.append(fam.layout)
         self.switch = SwitchCosts(model, cluster, self.e)
+        specs = model_param_specs(dataclasses.replace(model, num_layers=1), (1,))
+        self.switch_buffer_gib = {
+            n: switch_buffer_bytes(specs, n) / GiB for n in {self.e, GRAD_BYTES}
+        }
         self._stats: dict[tuple[int, int], PackStats] = {}
         self._ranked: dict[tuple[int, int], list[tuple[float, _Option]]] = {}
         self._evaluators: dict[tuple, Evaluator] = {}
@@ -734,13 +762,28 @@ class _Planner:
             return o.shared_active_gib
         return o.active_gib
 
-    def resident_gib(self, h: _Option, away: Sequence[_Option]) -> float:
-        """Model states held for the whole step (module docstring, "Memory")."""
-        if not away:
-            return h.states_gib
-        carry = GRAD_BYTES * h.params / GiB
-        models = sum((self.e + GRAD_BYTES) * o.params for o in away) / GiB
-        return h.states_gib + carry + models
+    def bucket_peaks_gib(self, h: _Option, chosen: Sequence[_Option]) -> list[float]:
+        """Peak memory while each bucket runs, ``chosen`` (shortest first) then the home one,
+        switches included (module docstring, "Memory")."""
+        states, carry = h.states_gib, GRAD_BYTES * h.params / GiB
+        peaks, live = [], False  # live: a carry is held (a non-home model since the home's)
+        for k, o in enumerate(chosen):
+            if o.key == h.key:  # on the home model: the carry goes into .grad first
+                peaks.append(states + self.bucket_active_gib(h, o))
+                live = False
+                continue
+            first = k == 0 or chosen[k - 1].key != o.key  # adjacent buckets share a model
+            last = k == len(chosen) - 1 or chosen[k + 1].key != o.key
+            held = states + (carry if live else 0.0)
+            weights, grads = self.e * o.params / GiB, GRAD_BYTES * o.params / GiB
+            switch_in = self.switch_buffer_gib[self.e] if first else 0.0
+            peak = held + weights + grads + max(o.active_gib, switch_in)
+            if last:
+                peak = max(peak, states + carry + grads + self.switch_buffer_gib[GRAD_BYTES])
+                live = True
+            peaks.append(peak)
+        peaks.append(states + h.active_gib)
+        return peaks
 
     def solve(self, h: _Option, edge_set: tuple[int, ...], bound: float, away_options):
         """The best (cost, non-home options) for home ``h`` and ``edge_set`` under ``bound``:
@@ -772,14 +815,13 @@ class _Planner:
                     step = lists[k][nxt[k]][0] - lists[k][index[k]][0]
                     heapq.heappush(heap, (total + step, nxt))
             chosen = [lists[k][i][1] for k, i in enumerate(index)]
-            own = [o for o in chosen if o.key != home_key]
-            if len({o.key for o in own}) < len(own):
+            own = away_models(chosen, home_key)
+            if own is None:
                 continue
-            active = max(self.bucket_active_gib(h, o) for o in (h, *chosen))
-            if self.resident_gib(h, own) + active > self.capacity:
+            if max(self.bucket_peaks_gib(h, chosen)) > self.capacity:
                 continue
             self.considered += 1
-            cost = home_s + total + sum(sum(self.switch(h.strategy, o.strategy)) for o in own)
+            cost = home_s + total + sum(sum(self.switch(h.strategy, key)) for key in own)
             if cost < bound:
                 bound, best = cost, (cost, tuple(chosen))
         return best
@@ -943,16 +985,20 @@ class _Planner:
             )
         home, edge_set, away = found
         bounds = (0, *edge_set, seq_len)
-        resident = self.resident_gib(home, [o for o in away if o.key != home.key])
+        peaks = self.bucket_peaks_gib(home, away)
         buckets = []
         switch_total = update = 0.0
-        for (lo, hi), option in zip(zip(bounds, bounds[1:]), (*away, home)):
+        switched = set()  # a model shared by adjacent buckets switches once, with the first
+        for (lo, hi), option, peak in zip(zip(bounds, bounds[1:]), (*away, home), peaks):
             stats = self.stats(lo, hi)
             _, m, ratio = option.seconds(stats)
             s = option.strategy
             timing = self.timing(hi, s, m, ratio)
             shared = option is not home and option.key == home.key
-            switch = 0.0 if option is home or shared else sum(self.switch(home.strategy, s))
+            switch = 0.0
+            if not (option is home or shared or option.key in switched):
+                switch = sum(self.switch(home.strategy, option.key))
+                switched.add(option.key)
             switch_total += switch
             if shared:  # runs on the home model, under the home's DeepSpeed engine
                 s = dataclasses.replace(s, zero=home.strategy.zero)
@@ -972,7 +1018,7 @@ class _Planner:
                     attention_ratio=ratio,
                     time_s=timing.pass_s,
                     switch_s=switch,
-                    peak_memory_gib=resident + self.bucket_active_gib(home, option),
+                    peak_memory_gib=peak,
                 )
             )
         step = sum(b.time_s for b in buckets) + switch_total + update

@@ -687,7 +687,7 @@ def report_markdown(
         lines += [
             "Per step, expected: packed rows and micro-batches per DP rank (padding rows "
             "included), forward + backward seconds, switch seconds (weights in, gradients "
-            "out), peak memory per GPU with every layout's model resident "
+            "out), peak memory per GPU while the bucket runs, its switches included "
             "(docs/seqbucket.md). The ranked layouts below are for full-length sequences.",
             "",
         ]

@@ -7,14 +7,25 @@ one, the recompute switched per bucket):
 
 1. a bucket whose layout is not the home one: its model gets the home model's current weights
    (:func:`~ds_stpar.seqbucket.switch.switch`, once per optimizer step), runs the bucket's
-   micro-batches forward and backward, and its gradient (accumulated in fp32, nothing
-   reduced) is added into the *carry*, fp32 buffers of the home layout's local shapes, by
+   micro-batches forward and backward, and after the last bucket of that model in the step
+   its gradient (accumulated in fp32, nothing reduced) is added into the *carry*, fp32
+   buffers of the home layout's local shapes, by
    :func:`~ds_stpar.seqbucket.switch.switch_grads` (the DP reduction of that layout is fused
-   into the move);
-2. a bucket in the home layout runs under the DeepSpeed engine; before the first backward
-   that follows a carry, the carry is added into the home parameters' ``.grad`` so that
-   DeepSpeed's own reduction sees it;
+   into the move): each model switches once each way per step;
+2. a bucket in the home layout runs under the DeepSpeed engine; before its first forward
+   the carry is added into the home parameters' ``.grad`` (so that DeepSpeed's own reduction
+   sees it) and freed;
 3. ``engine.step()``.
+
+Memory. A non-home model holds memory only from switching its weights in to carrying its
+gradient home (:class:`_AwayModel`: parameter storage resized to nothing in between, fp32
+accumulators dropped), and the carry only from the first carry to the next home bucket; both
+switches run in rounds of at most ``SWITCH_ROUND_BYTES`` per rank. So the home bucket runs
+beside the home model states alone, and a non-home bucket beside the home states, its own
+model and (when another non-home bucket ran since the last home bucket) the carry: what
+:mod:`ds_stpar.planner.buckets` charges. Keeping every model resident would charge the
+home bucket with every other layout's weights and gradients, which at 32K tokens decides
+whether a short-bucket DP layout fits next to a TP home at all.
 
 Loss. Every micro-batch's loss is ``sum of its token losses / N``, ``N`` the mini-batch's
 target count (:mod:`~ds_stpar.seqbucket.loss`), computed by
@@ -72,7 +83,7 @@ from ds_stpar.seqbucket.loss import masked_token_loss
 from ds_stpar.seqbucket.packing import PackedBatch, RowPlan, collate
 from ds_stpar.seqbucket.sampler import BucketPlan, MicroBatch, MiniBatchPlan
 from ds_stpar.seqbucket.shards import ParamSpec, Placement, local_shape, tp_pieces
-from ds_stpar.seqbucket.switch import SwitchPlanner, switch, switch_grads
+from ds_stpar.seqbucket.switch import SWITCH_ROUND_BYTES, SwitchPlanner, switch, switch_grads
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -282,16 +293,33 @@ class StepStats:
         return out
 
 
-class _FP32Grads:
-    """fp32 gradient accumulators of a non-home model, filled by post-accumulate hooks (each
-    micro-batch's ``.grad`` is added, then dropped), so bf16 models accumulate in fp32."""
+def _own_storage(param: torch.nn.Parameter) -> bool:
+    return (
+        param.is_contiguous()
+        and param.storage_offset() == 0
+        and param.untyped_storage().nbytes() == param.numel() * param.element_size()
+    )
+
+
+class _AwayModel:
+    """A non-home model's memory, held only between switching its weights in and carrying
+    its gradient home: the parameters' storage (resized to nothing in between, so the module
+    and its views stay valid) and fp32 gradient accumulators filled by post-accumulate hooks
+    (each micro-batch's ``.grad`` is added, then dropped, so bf16 models accumulate in fp32).
+    While the home bucket runs, no other layout's model takes memory."""
 
     def __init__(self, params: Mapping[str, torch.nn.Parameter]) -> None:
-        self.grads = {
-            n: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for n, p in params.items()
-        }
-        for name, param in params.items():
+        shared = [n for n, p in params.items() if not _own_storage(p)]
+        if shared:
+            raise ConfigError(
+                f"parameters {shared[:3]} share storage with other tensors: a non-home model's "
+                "memory cannot be released between its buckets"
+            )
+        self.params = dict(params)
+        self.grads: dict[str, Tensor] = {}
+        for name, param in self.params.items():
             param.register_post_accumulate_grad_hook(self._hook(name))
+        self.release_weights()
 
     def _hook(self, name: str) -> Callable:
         def hook(param: torch.nn.Parameter) -> None:
@@ -300,9 +328,22 @@ class _FP32Grads:
 
         return hook
 
-    def zero(self) -> None:
-        for grad in self.grads.values():
-            grad.zero_()
+    def acquire(self) -> None:
+        """Storage for the weights (contents undefined until switched in) and zeroed fp32
+        gradient accumulators."""
+        for param in self.params.values():
+            param.untyped_storage().resize_(param.numel() * param.element_size())
+        self.grads = {
+            n: torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            for n, p in self.params.items()
+        }
+
+    def release_weights(self) -> None:
+        for param in self.params.values():
+            param.untyped_storage().resize_(0)
+
+    def release_grads(self) -> None:
+        self.grads = {}
 
 
 def _sequence_parallel_params(
@@ -388,11 +429,12 @@ class BucketRunner:
             (s.layer for s in self.specs.values() if s.layer is not None), default=-1
         )
         self.planner = SwitchPlanner(self.specs, gpus_per_node, num_layers)
-        self.grads = {k: _FP32Grads(m.params) for k, m in self.models.items() if k != self.home_key}
-        self.carry = {
-            n: torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-            for n, p in self.home.params.items()
-        }
+        self.away = {k: _AwayModel(m.params) for k, m in self.models.items() if k != self.home_key}
+        self.carry: dict[str, Tensor] | None = None  # allocated by the first carry of a step
+        self._weight_round = (
+            SWITCH_ROUND_BYTES // next(iter(self.home.params.values())).element_size()
+        )
+        self._grad_round = SWITCH_ROUND_BYTES // 4
         self.home_dp = self.home.strategy.layout.dp
         self.sp_params = _sequence_parallel_params(self.home, self.specs)
         for param in self.sp_params.values():
@@ -432,33 +474,46 @@ class BucketRunner:
         return masked_token_loss(losses, labels, num_targets)
 
     def _switch_weights(self, key: Strategy) -> None:
+        self.away[key].acquire()
         plan = self.planner.weights(self.home_key, key)
         src = {n: p.detach() for n, p in self.home.params.items()}
         dst = {n: p.detach() for n, p in self.models[key].params.items()}
-        switch(src, dst, plan)
+        switch(src, dst, plan, round_elements=self._weight_round)
         self._fresh.add(key)
 
     def _carry_grads(self, key: Strategy) -> None:
+        """The layout's gradient (all its buckets of the step) into the carry; its weights are
+        released first (the move needs only the gradients), its gradients after."""
+        away = self.away[key]
+        away.release_weights()
+        self._fresh.discard(key)
+        if self.carry is None:
+            self.carry = {
+                n: torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                for n, p in self.home.params.items()
+            }
         plan = self.planner.grads(key, self.home_key)
-        switch_grads(self.grads[key].grads, self.carry, plan)
-        self.grads[key].zero()
+        switch_grads(away.grads, self.carry, plan, round_elements=self._grad_round)
+        away.release_grads()
 
     def _add_carry(self) -> None:
-        """Carry -> home ``.grad`` (TP-summed for SP parameters, scaled by the home DP size)."""
+        """Carry -> home ``.grad`` (TP-summed for SP parameters, scaled by the home DP size),
+        then the carry is freed."""
+        carry = self.carry
         if self.sp_params:
             names = list(self.sp_params)
-            flat = torch.cat([self.carry[n].reshape(-1) for n in names])
+            flat = torch.cat([carry[n].reshape(-1) for n in names])
             dist.all_reduce(flat, group=self.home.groups.tp_group)
-            for name, part in zip(names, flat.split([self.carry[n].numel() for n in names])):
-                self.carry[name].copy_(part.view_as(self.carry[name]))
+            for name, part in zip(names, flat.split([carry[n].numel() for n in names])):
+                carry[name].copy_(part.view_as(carry[name]))
         with torch.no_grad():
             for name, param in self.home.params.items():
-                add = (self.carry[name] * self.home_dp).to(param.dtype)
+                add = (carry.pop(name) * self.home_dp).to(param.dtype)
                 if param.grad is None:
                     param.grad = add
                 else:
                     param.grad.add_(add)
-                self.carry[name].zero_()
+        self.carry = None
 
     # ---- one mini-batch --------------------------------------------------------------
     def accumulate(self, plan: MiniBatchPlan) -> StepStats:
@@ -469,12 +524,12 @@ class BucketRunner:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         n = max(plan.num_targets, 1)
         last = len(plan.buckets) - 1
-        carried = False
-        for i, bucket in enumerate(plan.buckets):
+        runs = [i for i, b in enumerate(plan.buckets) if b.num_micro_batches > 0 or i == last]
+        last_use = {model_key(plan.buckets[i].strategy): i for i in runs}
+        for i in runs:
+            bucket = plan.buckets[i]
             key = model_key(bucket.strategy)
             is_home = key == self.home_key
-            if bucket.num_micro_batches == 0 and i != last:
-                continue
             model = self.models[key]
             self._set_recompute(model, bucket.strategy)
             self._sync()
@@ -485,13 +540,12 @@ class BucketRunner:
                 self._sync()
             t1 = time.perf_counter()
             mbs = self._micro_batches(bucket, model, is_home)
+            if is_home and self.carry is not None:
+                self._add_carry()  # before any activation of this bucket exists
             for k, mb in enumerate(mbs):
                 if is_home:
                     self.engine.set_gradient_accumulation_boundary(i == last and k == len(mbs) - 1)
                     loss = self._loss(self.engine, model, mb, n)
-                    if carried:
-                        self._add_carry()
-                        carried = False
                     self.engine.backward(loss * self.home_dp, scale_wrt_gas=False)
                 else:
                     loss = self._loss(model.module, model, mb, n)
@@ -500,9 +554,8 @@ class BucketRunner:
                     loss_sum += loss.detach().double()
             self._sync()
             t2 = time.perf_counter()
-            if not is_home:
+            if not is_home and last_use[key] == i:
                 self._carry_grads(key)
-                carried = True
                 stats.switches += 1
                 self._sync()
             t3 = time.perf_counter()
