@@ -359,6 +359,12 @@ def run(opts: RunOptions) -> list[dict]:
     )
     from ds_stpar.seqbucket.sampler import BucketSampler, RowCost
 
+    # Buckets alternate activations of very different shapes (16K rows without recompute,
+    # then 32K rows with it) in one step; the caching allocator's fixed segments fragmented
+    # (an H100 OOM with 38 GiB reserved but unallocated, bench/results/2026-11-26-s5-4xH100).
+    # Expandable segments grow and shrink in place. Read at the first CUDA allocation; a
+    # user's own setting wins.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     world = int(os.environ.get("WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
     _quiet_libraries()
     try:
