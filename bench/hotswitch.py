@@ -52,7 +52,8 @@ def plan_commands(args: argparse.Namespace, corpus: str, gpu: str) -> dict[str, 
     base = [sys.executable, "-m", "ds_stpar", "plan", "--model", args.model, "--gpu", gpu]
     base += ["--gpus", str(args.gpus), "--gpus-per-node", str(args.gpus)]
     base += ["--seq-len", str(args.seq_len), "--global-batch-tokens", str(args.global_batch_tokens)]
-    base += ["--data", corpus, "--tp-modes", *args.tp_modes, *shlex.split(args.plan_args)]
+    base += ["--data", corpus, "--tokenizer", args.tokenizer]
+    base += ["--tp-modes", *args.tp_modes, *shlex.split(args.plan_args)]
     return {
         "static": base + ["--max-buckets", "1"],
         "planned": base,
@@ -82,7 +83,8 @@ def train(name: str, report: dict, args: argparse.Namespace, corpus: str) -> dic
     run_dir = os.path.join(args.out, name, "run")
     launcher = shlex.split(args.launcher_args) or ["--num_gpus", str(args.gpus)]
     cmd = ["deepspeed", *launcher, "launch/pretrain.py"]
-    cmd += ["--config", report["config"], "--data", corpus, "--steps", str(args.steps)]
+    cmd += ["--config", report["config"], "--data", corpus, "--tokenizer", args.tokenizer]
+    cmd += ["--steps", str(args.steps)]
     cmd += ["--out", run_dir]
     with open(os.path.join(args.out, f"{name}.log"), "w") as log:
         code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -151,6 +153,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plan-args", default="", help="more `ds-stpar plan` arguments")
     parser.add_argument("--data", help="corpus (default: --stdlib-files of the stdlib)")
     parser.add_argument("--stdlib-files", type=int, default=0, help="0: every file")
+    parser.add_argument(
+        "--tokenizer",
+        default="bytes",
+        help="'bytes' or a tokenizer.json (bench/bpe_tokenizer.py), for the plans and the runs",
+    )
     parser.add_argument("--plans", default="static,planned,bucketed")
     parser.add_argument("--label", default="nvlink")
     parser.add_argument(
