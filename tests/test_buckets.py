@@ -384,11 +384,12 @@ def test_plot_without_matplotlib_names_the_extra(capsys, stdlib_jsonl, tmp_path,
 
 
 def test_bucketed_plan_notes_a_faster_static_layout_it_cannot_run(capsys, encodings_jsonl):
-    # docs/seqbucket.md, "Where bucketing pays": two buckets beat the best runnable static
-    # layout, while a PP layout the loop cannot run is predicted faster still; the note says
-    # so in one clause (it once ended in a dangling "; ").
+    # Over a 100 GB/s link two buckets beat the best runnable static layout, while a PP
+    # layout the loop cannot run is predicted faster still; the note says so in one clause
+    # (it once ended in a dangling "; ").
     argv = ["buckets", "--data", encodings_jsonl, "--model", "gpt3-1.3b", "--gpus", "2"]
     argv += ["--seq-len", "32768", "--global-batch", "128", "--stack", "fused", "--json"]
+    argv += ["--nvlink-gbs", "100"]
     code, out, err = run(capsys, *argv)
     assert code == 0, err
     data = json.loads(out)
