@@ -452,7 +452,7 @@ def plan_command(args: argparse.Namespace) -> int:
             "files": written,
         }
         if buckets is not None:
-            report["buckets"] = {"stack": args.stack, **buckets.to_dict()}
+            report["buckets"] = buckets.to_dict()
         print(json.dumps(report, indent=2))
         return 0
     best = result.top[0]

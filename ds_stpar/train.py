@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from ds_stpar.config import GPU_PRESETS, ModelSpec, StparConfig, read_json
 from ds_stpar.errors import ConfigError, DataError, StparError
+from ds_stpar.planner.profile import LOCAL_STACK
 from ds_stpar.seqbucket.sampler import MiniBatchPlan
 
 STDLIB = "stdlib"  # --data value: the Python standard library's sources
@@ -125,6 +126,20 @@ class Checked:
     cfg: StparConfig
     tokenizer: object
     world: int
+
+
+def stack_warning(cfg: StparConfig, where: str) -> str | None:
+    """A warning when the plan's predictions are for another software stack than the one this
+    loop builds (``ds-stpar plan --stack fused``): its times and memory do not hold here, and
+    its static baseline may not be the best one (BENCHMARKS.md, fifth session)."""
+    stack = cfg.extra.get("predicted", {}).get("stack")
+    if stack in (None, LOCAL_STACK):
+        return None
+    return (
+        f"warning: {where} was planned for the {stack} stack; this loop runs {LOCAL_STACK} "
+        "(megatron-core's local modules), whose times and memory differ: plan with the "
+        "default --stack for predictions that hold here"
+    )
 
 
 def check_inputs(opts: RunOptions, world: int) -> Checked:
@@ -376,6 +391,9 @@ def run(opts: RunOptions) -> list[dict]:
     prepare_cpu()
     init_distributed()
     rank = dist.get_rank()
+    warning = stack_warning(cfg, opts.config)
+    if rank == 0 and warning:
+        print(warning, flush=True)
     sampler = BucketSampler(
         docs.lengths,
         cfg.buckets,

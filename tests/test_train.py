@@ -87,6 +87,26 @@ def test_pretrain_through_the_deepspeed_launcher(tmp_path):
     assert "step 4/4 loss" in proc.stdout  # plain progress lines when not on a terminal
 
 
+def test_a_plan_for_another_stack_is_named_at_start(tmp_path):
+    from ds_stpar.config import StparConfig
+    from ds_stpar.train import stack_warning
+
+    cfg = json.loads(TINY.read_text())
+    for stack, warned in (("megatron-core-local", False), ("fused", True), (None, False)):
+        predicted = cfg["ds_stpar"].setdefault("extra", {}).setdefault("predicted", {})
+        if stack is None:
+            predicted.pop("stack", None)
+        else:
+            predicted["stack"] = stack
+        path = tmp_path / "plan.json"
+        path.write_text(json.dumps(cfg))
+        cfg_obj = StparConfig.from_deepspeed_json(str(path))
+        message = stack_warning(cfg_obj, str(path))
+        assert (message is not None) == warned, stack
+        if warned:
+            assert "fused stack" in message and "--stack" in message
+
+
 def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
     malformed = tmp_path / "bad.json"
     malformed.write_text('{"train_batch_size": 4,\n  "ds_stpar": }\n')

@@ -486,7 +486,8 @@ class BucketPlan:
     ``bucketed_step_s = sum(b.time_s) + switch_s + update_s`` (``update_s``: the home
     layout's DP reduction and optimizer step); ``speedup = static.step_s / bucketed_step_s``
     (1 when the plan is the static layout: one bucket, ``note`` says why). ``considered``:
-    bucketed plans whose cost was computed in full.
+    bucketed plans whose cost was computed in full; ``stack``: the calibration's software
+    stack (``launch/pretrain.py`` runs ``megatron-core-local``).
     """
 
     buckets: tuple[PlannedBucket, ...]
@@ -501,6 +502,7 @@ class BucketPlan:
     considered: int
     note: str = ""
     pieces: Pieces | None = field(default=None, repr=False, compare=False)
+    stack: str = "fused"  # the software stack the times and memory are predicted for
 
     @property
     def edges(self) -> tuple[int, ...]:
@@ -551,6 +553,7 @@ class BucketPlan:
             "num_split_documents": self.num_split_documents,
             "considered": self.considered,
             "note": self.note,
+            "stack": self.stack,
         }
 
 
@@ -941,6 +944,7 @@ class _Planner:
             num_split_documents=pieces.num_split_documents,
             considered=self.considered,
             pieces=pieces,
+            stack=self.cal.stack,
         )
         if self.unrunnable is not None and self.unrunnable[1] < static.step_s:
             strategy, step_s = self.unrunnable

@@ -755,6 +755,7 @@ def bucketed_deepspeed_config(
         "switch_s": plan.switch_s,
         "update_s": plan.update_s,
         "tokens_per_step": plan.tokens_per_step,
+        "stack": plan.stack,
         "buckets": [
             {
                 key: getattr(b, key)
