@@ -19,8 +19,11 @@ Each plan runs ``--steps`` optimizer steps through the DeepSpeed launcher (``--n
 ``--launcher-args`` to pick GPUs and a port for a second run beside the first) on the same corpus
 (``--stdlib-files`` of the Python standard library, written once as JSON lines; or ``--data``).
 The table compares, per plan, the planner's predicted step and switch time (the switch planner's
-bandwidth bound) with the measured medians of ``metrics.jsonl`` (the first step excluded: it
-warms up the allocator and NCCL), and the speedups over ``static``, predicted and measured.
+bandwidth bound) with the measured means of ``metrics.jsonl`` (the first step excluded: it
+warms up the allocator and NCCL), and the speedups over ``static``, predicted and measured
+(ratio of tokens/s over all timed steps). Plan with the ``--stack`` the runs use: the default,
+``megatron-core-local``, is what ``launch/pretrain.py`` builds (the fifth session planned with
+``--stack fused`` by mistake, which hid that DP2 with ZeRO-2 fits where it said it did not).
 ``--gpu`` names the planner's GPU preset (default: from the device name). Set
 NCCL_P2P_DISABLE=1 for the slow-link variant and tell the planner the link with
 ``--plan-args "--nvlink-gbs G"`` (bench/layers.py's slow-link run measures G).
@@ -95,14 +98,19 @@ def train(name: str, report: dict, args: argparse.Namespace, corpus: str) -> dic
 
 
 def summarize(metrics_path: str) -> dict:
+    """Means over the timed steps, not medians: a step of a few rows of the context holds a
+    different number of rows per bucket each time (e.g. 3-5 home micro-batches), and the
+    planner predicts the expected step. Every plan runs the same steps of the same sampler,
+    so throughput (all timed tokens over all timed seconds) compares them directly."""
     rows = [json.loads(line) for line in open(metrics_path)]
     timed = rows[1:] or rows  # the first step warms up the allocator and NCCL
-    step = statistics.median(r["step_s"] for r in timed)
+    seconds = sum(r["step_s"] for r in timed)
     return {
         "steps": len(timed),
-        "step_s": step,
-        "switch_s": statistics.median(r["switch_s"] for r in timed),
-        "tokens_per_s": statistics.median(r["tokens"] for r in timed) / step,
+        "step_s": seconds / len(timed),
+        "median_step_s": statistics.median(r["step_s"] for r in timed),
+        "switch_s": sum(r["switch_s"] for r in timed) / len(timed),
+        "tokens_per_s": sum(r["tokens"] for r in timed) / seconds,
         "peak_gib": max((r.get("peak_gib") or 0.0) for r in rows),
         "loss_first": rows[0]["loss"],
         "loss_last": rows[-1]["loss"],
@@ -113,10 +121,10 @@ def table(label: str, gpu: str, reports: dict, measured: dict) -> str:
     head = (
         "| link | plan | buckets (edge: strategy) | step s pred | meas | err | switch s bound "
         "| meas | tokens/s | speedup pred | meas | peak GiB pred (total) | meas (allocated) |"
-    )
+    )  # step and switch: means over the timed steps; speedup: ratio of tokens/s
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     base_pred = reports["static"]["bucketed_step_s"]
-    base_meas = measured.get("static", {}).get("step_s")
+    base_meas = measured.get("static", {}).get("tokens_per_s")
     for name, rep in reports.items():
         m = measured.get(name)
         pred = rep["bucketed_step_s"]
@@ -129,7 +137,7 @@ def table(label: str, gpu: str, reports: dict, measured: dict) -> str:
             err = f"{pred / m['step_s'] - 1:+.1%}"
             sw = f"{m['switch_s']:.3f}"
             tps = f"{m['tokens_per_s']:,.0f}"
-            speed = f"{base_meas / m['step_s']:.3f}x" if base_meas else "n/a"
+            speed = f"{m['tokens_per_s'] / base_meas:.3f}x" if base_meas else "n/a"
         lines.append(
             f"| {label} | {name} | {layouts(rep)} | {pred:.3f} | {meas} | {err} "
             f"| {rep['switch_s']:.3f} | {sw} | {tps} | {base_pred / pred:.3f}x | {speed} "
