@@ -109,7 +109,9 @@ def _gather_full(local: dict, runner) -> dict:
     out = {}
     for name, tensor in local.items():
         spec = runner.specs[name]
-        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+        parts = [
+            torch.empty(tensor.shape, dtype=tensor.dtype) for _ in range(dist.get_world_size())
+        ]
         dist.all_gather(parts, tensor.contiguous())
         full = torch.empty(spec.shape, dtype=tensor.dtype)
         for r, part in enumerate(parts):
@@ -122,7 +124,7 @@ def _gather_full(local: dict, runner) -> dict:
 def _reference(ref: torch.nn.Module, forward, weights: dict, plan, docs):
     """float64 loss and full gradients of the mini-batch, one document piece at a time:
     ``ref`` (a single-device model) loaded with ``weights``; ``forward(ref, ids, positions)``
-    -> logits ``[1, s, V]``."""
+    -> logits ``[1, s, V]``. ``ref`` is converted to float64 in place."""
     ref = ref.double()
     with torch.no_grad():
         for name, param in ref.named_parameters():
@@ -156,7 +158,8 @@ def _megatron_reference(model: ModelSpec, weights: dict, plan, docs, cache, rank
 def _home_grads(runner) -> dict:
     from deepspeed.utils import safe_get_full_grad
 
-    return {n: safe_get_full_grad(p).detach().float() for n, p in runner.home.params.items()}
+    grads = {n: safe_get_full_grad(p).detach().float() for n, p in runner.home.params.items()}
+    return runner.home.described(grads)
 
 
 def _compare(what: str, runner, stats, plan, ref_loss: float, ref_grads: dict) -> None:
@@ -304,10 +307,10 @@ def _gpt2():
 def _check_cannon_buckets(rank: int, world: int) -> None:
     """A Cannon bucket (tp4 as a 2x2 torus) switched from and to a Megatron-mode tp4 home
     (whose layers carry no Cannon marks): megatron-core GPT, and HF GPT-2 (c_attn: a fused
-    projection, partition stride 3). GPT-2 with a tp=1 layout beside TP ones is refused."""
+    projection, partition stride 3), also with a tp=1 layout that keeps GPT-2's Conv1D
+    weights [in, out] on either side of the switch."""
     import os
 
-    from ds_stpar.errors import ConfigError
     from ds_stpar.integrations.deepspeed import build_engine, engine_config, prepare_cpu
     from ds_stpar.parallel import GroupCache
     from ds_stpar.seqbucket.sampler import BucketSampler
@@ -327,35 +330,40 @@ def _check_cannon_buckets(rank: int, world: int) -> None:
     assert runner.specs["decoder.layers.0.mlp.linear_fc1.weight"].cannon_blocks
     _check_against_reference(what, cfg, model, runner, docs, cache, rank, 1024)
 
-    # HF: descriptors in the parallel layers' [out, in]; GPT-2's Conv1D stores [in, out]
-    what = "HF GPT-2 cannon4 -> tp4 (megatron home), ZeRO 1"
+    # HF: descriptors in the parallel layers' [out, in]; GPT-2's Conv1D stores [in, out],
+    # and a tp=1 layout keeps it (switched through transposed views)
     spec = dataclasses.replace(TINY, hidden_size=32, max_position_embeddings=128)
-    base = _gpt2()
-    cfg = _config((CANNON4, DP4), 1, model=spec, edges=edges)
-    models = build_hf_layout_models(copy.deepcopy(base), cfg, cache, cpu, torch.float32)
-    with pytest.raises(ConfigError, match="Conv1D weights"):  # dp4 would transpose them
-        HFBucketRunner(None, models, cfg.home, docs.__getitem__, BYTE_PAD_ID, 2)
-    cfg = _config((CANNON4, TP4), 1, model=spec, edges=edges)
-    models = build_hf_layout_models(copy.deepcopy(base), cfg, cache, cpu, torch.float32)
-    home = models[model_key(cfg.home)]
-    engine = build_engine(home.module, engine_config(_ds_config(1), cfg), home.groups)
-    runner = HFBucketRunner(engine, models, cfg.home, docs.__getitem__, BYTE_PAD_ID, 2)
-    assert runner.specs["transformer.h.0.attn.c_attn.weight"].partition_stride == 3
-    plan = _full_plan(BucketSampler(docs.lengths, cfg.buckets, 1024, seed=2))
-    weights = _gather_full({n: p.detach() for n, p in runner.home.params.items()}, runner)
-    stats = runner.accumulate(plan)
 
     def forward(module, ids, positions):
         return module(input_ids=ids, position_ids=positions, use_cache=False).logits
 
-    conv1d = {f"{n}.weight" for n, m in base.named_modules() if type(m).__name__ == "Conv1D"}
+    conv1d = {f"{n}.weight" for n, m in _gpt2().named_modules() if type(m).__name__ == "Conv1D"}
 
     def transpose_conv1d(tensors: dict) -> dict:
         return {n: t.t() if n in conv1d else t for n, t in tensors.items()}
 
-    ref_loss, ref_grads = _reference(base, forward, transpose_conv1d(weights), plan, docs)
-    _compare(what, runner, stats, plan, ref_loss, transpose_conv1d(ref_grads))
-    runner.engine.destroy()
+    for what, layouts in (
+        ("HF GPT-2 cannon4 -> tp4 (megatron home), ZeRO 1", (CANNON4, TP4)),
+        ("HF GPT-2 dp4 (Conv1D kept) -> tp4 (megatron home), ZeRO 1", (DP4, TP4)),
+        ("HF GPT-2 cannon4 -> dp4 (Conv1D home), ZeRO 1", (CANNON4, DP4)),
+    ):
+        print("CASE", rank, what, flush=True)
+        base = _gpt2()  # the same weights every time (seeded); _reference makes it float64
+        cfg = _config(layouts, 1, model=spec, edges=edges)
+        models = build_hf_layout_models(copy.deepcopy(base), cfg, cache, cpu, torch.float32)
+        for key, layout_model in models.items():  # tp=1 keeps the Conv1D weights
+            assert layout_model.transposed == (conv1d if key.layout.tp == 1 else set()), what
+        home = models[model_key(cfg.home)]
+        engine = build_engine(home.module, engine_config(_ds_config(1), cfg), home.groups)
+        runner = HFBucketRunner(engine, models, cfg.home, docs.__getitem__, BYTE_PAD_ID, 2)
+        assert runner.specs["transformer.h.0.attn.c_attn.weight"].partition_stride == 3
+        plan = _full_plan(BucketSampler(docs.lengths, cfg.buckets, 1024, seed=2))
+        local = home.described({n: p.detach() for n, p in home.params.items()})
+        weights = _gather_full(local, runner)
+        stats = runner.accumulate(plan)
+        ref_loss, ref_grads = _reference(base, forward, transpose_conv1d(weights), plan, docs)
+        _compare(what, runner, stats, plan, ref_loss, transpose_conv1d(ref_grads))
+        runner.engine.destroy()
 
 
 @pytest.mark.dist

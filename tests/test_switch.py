@@ -572,6 +572,9 @@ def _two_rank_worker(rank: int, world: int) -> None:
         switch(src, {**good, "emb": torch.zeros(16, 8, dtype=torch.bfloat16)}, plan)
     with pytest.raises(ConfigError, match="grads plan"):
         switch_grads(src, good, plan)
+    # one dtype per parameter on both sides: peers size their messages by it
+    with pytest.raises(ConfigError, match="emb: source is torch.bfloat16, target torch.float64"):
+        switch(src, {**good, "emb": good["emb"].double()}, plan)
     # source and target may share one storage (an arena) but must not overlap
     one = SwitchPlanner({"w": ParamSpec((8, 4), True, 0)}, gpus_per_node=1).weights(a, b)
     w = torch.arange(32.0).view(8, 4)

@@ -49,8 +49,10 @@ What happens, and where:
 
 Limits: ZeRO 3 is refused (it partitions the home parameters); pipeline parallelism is
 refused; resuming needs the same layout and world; evaluation runs the home model on HF
-batches (sequence lengths a multiple of the home TP size); models with Conv1D projections
-(GPT-2) cannot switch between a tp=1 layout and TP layouts (tp=1 keeps them transposed).
+batches (sequence lengths a multiple of the home TP size). Models with Conv1D projections
+(GPT-2) keep them as Conv1D in a tp=1 layout, stored [in, out]; the switch reads and writes
+them through transposed views (``LayoutModel.transposed``), so tp=1 and TP layouts switch
+either way.
 """
 
 from __future__ import annotations
@@ -203,10 +205,23 @@ def build_hf_layout_models(
     for key in others:
         groups = cache.get(key.layout)
         module = apply_stpar(copy.deepcopy(model), groups).to(device=device, dtype=dtype)
-        models[key] = LayoutModel(key, groups, module)
+        models[key] = LayoutModel(key, groups, module, conv1d_weights(module))
     groups = cache.get(home_key.layout)
-    models[home_key] = LayoutModel(home_key, groups, apply_stpar(model, groups))
+    module = apply_stpar(model, groups)
+    models[home_key] = LayoutModel(home_key, groups, module, conv1d_weights(module))
     return models
+
+
+def conv1d_weights(module: nn.Module) -> frozenset[str]:
+    """Weights of planned projections that ``apply_stpar`` left as HF Conv1D (a tp=1 layout
+    of GPT-2): stored [in, out], transposed against the descriptors' [out, in]."""
+    from transformers.pytorch_utils import Conv1D
+
+    return frozenset(
+        f"{owner}.weight"
+        for owner in module.stpar.plan
+        if isinstance(module.get_submodule(owner), Conv1D)
+    )
 
 
 def hf_param_specs(model: nn.Module) -> dict[str, ParamSpec]:
@@ -244,26 +259,6 @@ def hf_param_specs(model: nn.Module) -> dict[str, ParamSpec]:
     return specs
 
 
-def _check_conv1d_switching(models: Mapping[Strategy, LayoutModel]) -> None:
-    """Refuse a tp=1 layout beside others for models with planned Conv1D weights (GPT-2): at
-    tp=1 ``apply_stpar`` leaves the Conv1D, stored [in, out], while the parallel layers and
-    the descriptors hold [out, in], so switching would transpose them (a square one silently).
-    """
-    from transformers.pytorch_utils import Conv1D
-
-    if len(models) < 2:
-        return
-    for key, model in models.items():
-        module = model.module
-        conv1d = [o for o in module.stpar.plan if isinstance(module.get_submodule(o), Conv1D)]
-        if conv1d:
-            raise ConfigError(
-                f"{key.layout.short()}: a tp=1 layout keeps Conv1D weights ({conv1d[0]}) "
-                "transposed, [in, out]; it cannot be hot-switched with TP layouts: give every "
-                "bucket tp >= 2, or plan one layout"
-            )
-
-
 class HFBucketRunner(BucketRunner):
     """:class:`~ds_stpar.seqbucket.runner.BucketRunner` over HF models sharded by
     ``apply_stpar``: descriptors from :func:`hf_param_specs` of the home model, the HF
@@ -281,7 +276,6 @@ class HFBucketRunner(BucketRunner):
         pad_id: int,
         gpus_per_node: int = 8,
     ) -> None:
-        _check_conv1d_switching(models)
         specs = hf_param_specs(models[model_key(home)].module)
         # tied_embeddings: read by the Megatron descriptors only (an HF tied pair is one
         # parameter, replicated)

@@ -168,7 +168,7 @@ def check_local_shapes(
     """Every layout's model holds exactly the described parameters, each of the local shape
     its descriptor gives under that layout (what switching will write into it)."""
     for key, model in models.items():
-        params = model.params
+        params = model.described(model.params)
         if params.keys() != specs.keys():
             missing = sorted(params.keys() ^ specs.keys())[:3]
             raise ConfigError(
@@ -187,15 +187,26 @@ def check_local_shapes(
 
 @dataclass
 class LayoutModel:
-    """One layout's model on this rank, its groups and its parameters by global name."""
+    """One layout's model on this rank, its groups and its parameters by global name.
+
+    ``transposed``: parameters this model stores transposed against their descriptors (an
+    HF Conv1D weight, [in, out], where the parallel layers and descriptors hold [out, in]);
+    :meth:`described` views them the descriptors' way, which is what switching reads and
+    writes."""
 
     strategy: Strategy
     groups: LayoutGroups
     module: torch.nn.Module
+    transposed: frozenset[str] = frozenset()
 
     @property
     def params(self) -> dict[str, torch.nn.Parameter]:
         return dict(self.module.named_parameters())
+
+    def described(self, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """``tensors`` (this model's parameters or tensors of their shapes) as views in the
+        descriptors' orientation."""
+        return {n: t.t() if n in self.transposed else t for n, t in tensors.items()}
 
 
 def seed_megatron(seed: int, tp_index: int) -> None:
@@ -476,8 +487,9 @@ class BucketRunner:
     def _switch_weights(self, key: Strategy) -> None:
         self.away[key].acquire()
         plan = self.planner.weights(self.home_key, key)
-        src = {n: p.detach() for n, p in self.home.params.items()}
-        dst = {n: p.detach() for n, p in self.models[key].params.items()}
+        src = self.home.described({n: p.detach() for n, p in self.home.params.items()})
+        away = self.models[key]
+        dst = away.described({n: p.detach() for n, p in away.params.items()})
         switch(src, dst, plan, round_elements=self._weight_round)
         self._fresh.add(key)
 
@@ -493,7 +505,8 @@ class BucketRunner:
                 for n, p in self.home.params.items()
             }
         plan = self.planner.grads(key, self.home_key)
-        switch_grads(away.grads, self.carry, plan, round_elements=self._grad_round)
+        grads, carry = self.models[key].described(away.grads), self.home.described(self.carry)
+        switch_grads(grads, carry, plan, round_elements=self._grad_round)
         away.release_grads()
 
     def _add_carry(self) -> None:

@@ -530,6 +530,11 @@ def _execute(src_t, dst_t, plan: SwitchPlan, group, accumulate: bool, async_op: 
     for name in prog.holds_src & prog.holds_dst:
         if _overlap(src_t[name], dst_t[name]):
             raise ConfigError(f"{name}: source and target tensors overlap in memory")
+        if src_t[name].dtype != dst_t[name].dtype:  # peers would size their messages apart
+            raise ConfigError(
+                f"{name}: source is {src_t[name].dtype}, target {dst_t[name].dtype}; both "
+                "layouts' tensors must have one dtype"
+            )
 
     ops, packed = [], {}
     for peer in sorted(prog.sends):
