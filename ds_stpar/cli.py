@@ -41,6 +41,7 @@ from ds_stpar.config import (
     ClusterSpec,
     Layout,
     ModelSpec,
+    StparConfig,
     Strategy,
     TrainSpec,
     load_gpu,
@@ -475,6 +476,12 @@ def plan_command(args: argparse.Namespace) -> int:
         _print_buckets(buckets, args.stack)
     if written:
         print("wrote " + ", ".join(written))
+        home = StparConfig.from_dict(json.loads(files["ds_stpar.json"])["ds_stpar"]).home
+        if buckets is None and home != best.strategy:
+            print(
+                f"ds_stpar.json holds {home.short()}, the fastest layout launch/pretrain.py "
+                "runs (pp=1, ZeRO <= 2); the ranked best is for Megatron-LM or DeepSpeed alone"
+            )
     else:
         print("write ds_stpar.json, megatron_args.txt and plan.md with --out DIR")
     return 0

@@ -175,6 +175,32 @@ def test_out_writes_three_files(capsys, tmp_path):
     assert "## Ranked layouts" in (out_dir / "plan.md").read_text()
 
 
+def test_out_writes_a_layout_the_training_loop_runs(capsys, tmp_path):
+    # gpt3-1.3b on 8 GPUs ranks ZeRO-3 first, which launch/pretrain.py refuses; ds_stpar.json
+    # gets the fastest pp = 1, ZeRO <= 2 layout of the same search, and plan.md names both
+    from ds_stpar.config import ClusterSpec, TrainSpec, load_gpu
+    from ds_stpar.planner.search import search
+    from ds_stpar.seqbucket.runner import check_strategies
+
+    model, cluster = MODEL_PRESETS["gpt3-1.3b"], ClusterSpec(load_gpu("h100-80g"), 8)
+    ranked = search(model, cluster, TrainSpec(2048, 512), top_k=1 << 30).top
+    assert ranked[0].strategy.zero == 3
+    loop = next(e for e in ranked if e.strategy.layout.pp == 1 and e.strategy.zero <= 2)
+    out_dir = tmp_path / "plan"
+    code, out, err = run(capsys, "plan", "--gpus", "8", "--top", "2", "--out", str(out_dir))
+    assert code == 0, err
+    written = StparConfig.from_deepspeed_json(str(out_dir / "ds_stpar.json"))
+    assert written.home == loop.strategy
+    check_strategies([written.home], [2048])  # what pretrain.py checks before it runs
+    ds = json.loads((out_dir / "ds_stpar.json").read_text())
+    assert ds["zero_optimization"]["stage"] == loop.strategy.zero
+    assert ds["ds_stpar"]["extra"]["predicted"]["step_time_s"] == loop.step_time_s
+    report = (out_dir / "plan.md").read_text()
+    assert "the best that launch/pretrain.py runs (pp=1, ZeRO <= 2; ranked 1: " in report
+    assert ranked[0].strategy.short() in report
+    assert f"ds_stpar.json holds {loop.strategy.short()}, the fastest layout" in out
+
+
 def test_failed_write_leaves_nothing(capsys, tmp_path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")

@@ -738,6 +738,36 @@ def megatron_estimate(
     return next((e for e in found.top if e.strategy.zero <= 1), None)
 
 
+def loop_estimate(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    train: TrainSpec,
+    tp_modes: Sequence[str] = TP_MODES,
+    allow_tp_across_nodes: bool | None = None,
+    ranked: Sequence[Estimate] = (),
+) -> Estimate | None:
+    """The fastest fitting strategy that ds_stpar's training loop runs, for ds_stpar.json
+    (``None`` if none fits): ``launch/pretrain.py`` and ``StparTrainer`` run ``pp = 1`` and
+    ZeRO 0-2 only (:func:`~ds_stpar.planner.buckets.runnable`), so a pipeline or ZeRO-3 layout
+    ranked first goes to megatron_args.txt and plan.md, not to the file the loop reads.
+    ``ranked``: estimates already searched (the first runnable fitting one is taken);
+    otherwise the search is redone with every strategy kept."""
+    from ds_stpar.planner.buckets import runnable
+
+    for est in ranked:
+        if est.fits and runnable(est.strategy):
+            return est
+    found = search(
+        model,
+        cluster,
+        train,
+        top_k=ALL,
+        tp_modes=tuple(tp_modes),
+        allow_tp_across_nodes=allow_tp_across_nodes,
+    )
+    return next((e for e in found.top if runnable(e.strategy)), None)
+
+
 def bucketed_deepspeed_config(
     plan: BucketPlan,
     model: ModelSpec,
@@ -793,8 +823,9 @@ def plan_files(
     allow_tp_across_nodes: bool | None = None,
     buckets: BucketPlan | None = None,
 ) -> dict[str, str]:
-    """The contents of the three plan files: ds_stpar.json for the best fitting strategy (or,
-    given ``buckets``, the bucketed plan: :func:`bucketed_deepspeed_config`),
+    """The contents of the three plan files: ds_stpar.json for the best fitting strategy the
+    training loop runs (:func:`loop_estimate`; given ``buckets``, the bucketed plan:
+    :func:`bucketed_deepspeed_config`),
     megatron_args.txt for :func:`megatron_estimate`'s (the best one with ZeRO capped at 1
     and a "does NOT fit" warning when nothing fits Megatron-LM; Megatron-LM has no buckets),
     plan.md for all of ``result`` and the buckets."""
@@ -803,6 +834,15 @@ def plan_files(
     if not fitting:
         raise DoesNotFitError(f"no layout of {model.name} fits; nothing to write")
     best = fitting[0]
+    loop = None
+    if buckets is None:
+        loop = loop_estimate(model, cluster, train, tp_modes, allow_tp_across_nodes, fitting)
+        if loop is None:
+            raise DoesNotFitError(
+                f"only pipeline-parallel or ZeRO-3 layouts of {model.name} fit (best: "
+                f"{best.strategy.short()}), and launch/pretrain.py runs pp=1 and ZeRO 0-2; "
+                "train with Megatron-LM or DeepSpeed from the ranking"
+            )
     if buckets is not None:
         ds = bucketed_deepspeed_config(buckets, model, cluster, train, optimizer)
         ds_label = (
@@ -812,18 +852,24 @@ def plan_files(
         )
     else:
         predicted = {
-            key: getattr(best, key)
+            key: getattr(loop, key)
             for key in ("step_time_s", "tokens_per_s", "mfu", "hfu", "peak_memory_gib")
         }
         ds = deepspeed_config(
             model,
             cluster,
             train,
-            best.strategy,
+            loop.strategy,
             optimizer=optimizer,
             extra={"predicted": predicted},
         )
-        ds_label = f"{best.strategy.short()} (DeepSpeed), ranked 1"
+        if loop is best:
+            ds_label = f"{loop.strategy.short()} (DeepSpeed), ranked 1"
+        else:
+            ds_label = (
+                f"{loop.strategy.short()} (DeepSpeed): {loop.step_time_s:.3f} s, the best that "
+                f"launch/pretrain.py runs (pp=1, ZeRO <= 2; ranked 1: {best.strategy.short()})"
+            )
     mega = megatron_estimate(
         model, cluster, train, tp_modes, allow_tp_across_nodes=allow_tp_across_nodes
     )
