@@ -66,7 +66,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -726,16 +726,31 @@ def megatron_estimate(
     that DeepSpeed fits can run out of memory under Megatron-LM.
     """
     cal = (calibration or Calibration.load_default(cluster.gpu.name)).replace(grad_bytes=4)
+    return _fastest(
+        model, cluster, train, tp_modes, allow_tp_across_nodes, lambda s: s.zero <= 1, cal
+    )
+
+
+def _fastest(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    train: TrainSpec,
+    tp_modes: Sequence[str],
+    allow_tp_across_nodes: bool | None,
+    keep: Callable[[Strategy], bool],
+    calibration: Calibration | None = None,
+) -> Estimate | None:
+    """The fastest fitting strategy ``keep`` accepts, from a search keeping every strategy."""
     found = search(
         model,
         cluster,
         train,
         top_k=ALL,
         tp_modes=tuple(tp_modes),
-        calibration=cal,
+        calibration=calibration,
         allow_tp_across_nodes=allow_tp_across_nodes,
     )
-    return next((e for e in found.top if e.strategy.zero <= 1), None)
+    return next((e for e in found.top if keep(e.strategy)), None)
 
 
 def loop_estimate(
@@ -757,15 +772,7 @@ def loop_estimate(
     for est in ranked:
         if est.fits and runnable(est.strategy):
             return est
-    found = search(
-        model,
-        cluster,
-        train,
-        top_k=ALL,
-        tp_modes=tuple(tp_modes),
-        allow_tp_across_nodes=allow_tp_across_nodes,
-    )
-    return next((e for e in found.top if runnable(e.strategy)), None)
+    return _fastest(model, cluster, train, tp_modes, allow_tp_across_nodes, runnable)
 
 
 def bucketed_deepspeed_config(
