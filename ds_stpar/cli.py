@@ -428,6 +428,7 @@ def plan_command(args: argparse.Namespace) -> int:
     buckets = _bucket_plan(args, model, cluster, train) if args.data else None
     files = {}
     if args.out:
+        allow = args.allow_tp_across_nodes or None
         files = emit.plan_files(
             result,
             model,
@@ -435,8 +436,11 @@ def plan_command(args: argparse.Namespace) -> int:
             train,
             optimizer=optimizer,
             tp_modes=args.tp_modes,
-            allow_tp_across_nodes=args.allow_tp_across_nodes or None,
+            allow_tp_across_nodes=allow,
             buckets=buckets,
+            loop=None
+            if buckets
+            else emit.loop_estimate(model, cluster, train, args.tp_modes, allow),
         )
     written = [str(p) for p in emit.write_files_atomically(args.out, files)] if files else []
     if args.json:
@@ -480,7 +484,8 @@ def plan_command(args: argparse.Namespace) -> int:
         if buckets is None and home != best.strategy:
             print(
                 f"ds_stpar.json holds {home.short()}, the fastest layout launch/pretrain.py "
-                "runs (pp=1, ZeRO <= 2); the ranked best is for Megatron-LM or DeepSpeed alone"
+                "runs (megatron-core local modules, pp=1, ZeRO <= 2); the ranking is for the "
+                "published Megatron-LM stack"
             )
     else:
         print("write ds_stpar.json, megatron_args.txt and plan.md with --out DIR")

@@ -177,15 +177,19 @@ def test_out_writes_three_files(capsys, tmp_path):
 
 def test_out_writes_a_layout_the_training_loop_runs(capsys, tmp_path):
     # gpt3-1.3b on 8 GPUs ranks ZeRO-3 first, which launch/pretrain.py refuses; ds_stpar.json
-    # gets the fastest pp = 1, ZeRO <= 2 layout of the same search, and plan.md names both
+    # gets the fastest pp = 1, ZeRO <= 2 layout on the loop's own stack (megatron-core local
+    # modules), and plan.md names both
     from ds_stpar.config import ClusterSpec, TrainSpec, load_gpu
+    from ds_stpar.planner.profile import Calibration
     from ds_stpar.planner.search import search
     from ds_stpar.seqbucket.runner import check_strategies
 
     model, cluster = MODEL_PRESETS["gpt3-1.3b"], ClusterSpec(load_gpu("h100-80g"), 8)
-    ranked = search(model, cluster, TrainSpec(2048, 512), top_k=1 << 30).top
+    ranked = search(model, cluster, TrainSpec(2048, 512), top_k=1).top
     assert ranked[0].strategy.zero == 3
-    loop = next(e for e in ranked if e.strategy.layout.pp == 1 and e.strategy.zero <= 2)
+    local = Calibration.load_default("h100-80g", stack="megatron-core-local")
+    every = search(model, cluster, TrainSpec(2048, 512), top_k=1 << 30, calibration=local).top
+    loop = next(e for e in every if e.strategy.layout.pp == 1 and e.strategy.zero <= 2)
     out_dir = tmp_path / "plan"
     code, out, err = run(capsys, "plan", "--gpus", "8", "--top", "2", "--out", str(out_dir))
     assert code == 0, err
@@ -194,9 +198,11 @@ def test_out_writes_a_layout_the_training_loop_runs(capsys, tmp_path):
     check_strategies([written.home], [2048])  # what pretrain.py checks before it runs
     ds = json.loads((out_dir / "ds_stpar.json").read_text())
     assert ds["zero_optimization"]["stage"] == loop.strategy.zero
-    assert ds["ds_stpar"]["extra"]["predicted"]["step_time_s"] == loop.step_time_s
+    predicted = ds["ds_stpar"]["extra"]["predicted"]
+    assert predicted["step_time_s"] == loop.step_time_s
+    assert predicted["stack"] == "megatron-core-local"
     report = (out_dir / "plan.md").read_text()
-    assert "the best that launch/pretrain.py runs (pp=1, ZeRO <= 2; ranked 1: " in report
+    assert "GiB for the megatron-core-local stack, pp=1, ZeRO <= 2 |" in report
     assert ranked[0].strategy.short() in report
     assert f"ds_stpar.json holds {loop.strategy.short()}, the fastest layout" in out
 

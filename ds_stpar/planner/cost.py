@@ -160,6 +160,7 @@ class Estimate:
     micro_batches: int = 0
     peak_stage: int = 0
     tp_collectives_s: dict[str, float] = field(default_factory=dict)
+    stack: str = "fused"  # the calibration's software stack the figures are for
 
     def to_dict(self) -> dict:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -714,6 +715,7 @@ class Evaluator:
             micro_batches=ctx.m,
             peak_stage=peak_stage,
             tp_collectives_s={k: ctx.m * ctx.layers[0] * v for k, v in block.collectives.items()},
+            stack=self.cal.stack,
         )
 
 

@@ -83,7 +83,7 @@ from ds_stpar.config import (
 from ds_stpar.errors import ConfigError, DoesNotFitError
 from ds_stpar.planner import rules
 from ds_stpar.planner.cost import Estimate, estimate, micro_batches
-from ds_stpar.planner.profile import Calibration
+from ds_stpar.planner.profile import LOCAL_STACK, Calibration
 from ds_stpar.planner.search import SearchResult, search
 
 if TYPE_CHECKING:
@@ -759,20 +759,18 @@ def loop_estimate(
     train: TrainSpec,
     tp_modes: Sequence[str] = TP_MODES,
     allow_tp_across_nodes: bool | None = None,
-    ranked: Sequence[Estimate] = (),
 ) -> Estimate | None:
-    """The fastest fitting strategy that ds_stpar's training loop runs, for ds_stpar.json
-    (``None`` if none fits): ``launch/pretrain.py`` and ``StparTrainer`` run ``pp = 1`` and
-    ZeRO 0-2 only (:func:`~ds_stpar.planner.buckets.runnable`), so a pipeline or ZeRO-3 layout
-    ranked first goes to megatron_args.txt and plan.md, not to the file the loop reads.
-    ``ranked``: estimates already searched (the first runnable fitting one is taken);
-    otherwise the search is redone with every strategy kept."""
+    """The fastest fitting strategy of ds_stpar's training loop, for ds_stpar.json (``None``
+    if none fits): ``launch/pretrain.py`` and ``StparTrainer`` run ``pp = 1`` and ZeRO 0-2
+    only (:func:`~ds_stpar.planner.buckets.runnable`), on megatron-core's local modules, so
+    the search is redone with that stack's calibration (``megatron-core-local``: its times and
+    memory, within 1% of the allocation measured on H100, where the published Megatron-LM
+    stack that ``plan`` ranks for under-counts) and a pipeline or ZeRO-3 layout ranked first
+    goes to megatron_args.txt and plan.md, not to the file the loop reads."""
     from ds_stpar.planner.buckets import runnable
 
-    for est in ranked:
-        if est.fits and runnable(est.strategy):
-            return est
-    return _fastest(model, cluster, train, tp_modes, allow_tp_across_nodes, runnable)
+    cal = Calibration.load_default(cluster.gpu.name, stack=LOCAL_STACK)
+    return _fastest(model, cluster, train, tp_modes, allow_tp_across_nodes, runnable, cal)
 
 
 def bucketed_deepspeed_config(
@@ -829,10 +827,12 @@ def plan_files(
     tp_modes: Sequence[str] = TP_MODES,
     allow_tp_across_nodes: bool | None = None,
     buckets: BucketPlan | None = None,
+    loop: Estimate | None = None,
 ) -> dict[str, str]:
-    """The contents of the three plan files: ds_stpar.json for the best fitting strategy the
-    training loop runs (:func:`loop_estimate`; given ``buckets``, the bucketed plan:
-    :func:`bucketed_deepspeed_config`),
+    """The contents of the three plan files: ds_stpar.json for ``loop`` (the CLI passes
+    :func:`loop_estimate`; default: the first fitting ``pp = 1``, ZeRO <= 2 estimate of
+    ``result``, what the training loop runs) or, given ``buckets``, the bucketed plan
+    (:func:`bucketed_deepspeed_config`),
     megatron_args.txt for :func:`megatron_estimate`'s (the best one with ZeRO capped at 1
     and a "does NOT fit" warning when nothing fits Megatron-LM; Megatron-LM has no buckets),
     plan.md for all of ``result`` and the buckets."""
@@ -841,9 +841,11 @@ def plan_files(
     if not fitting:
         raise DoesNotFitError(f"no layout of {model.name} fits; nothing to write")
     best = fitting[0]
-    loop = None
     if buckets is None:
-        loop = loop_estimate(model, cluster, train, tp_modes, allow_tp_across_nodes, fitting)
+        if loop is None:
+            from ds_stpar.planner.buckets import runnable
+
+            loop = next((e for e in fitting if runnable(e.strategy)), None)
         if loop is None:
             raise DoesNotFitError(
                 f"only pipeline-parallel or ZeRO-3 layouts of {model.name} fit (best: "
@@ -862,6 +864,7 @@ def plan_files(
             key: getattr(loop, key)
             for key in ("step_time_s", "tokens_per_s", "mfu", "hfu", "peak_memory_gib")
         }
+        predicted["stack"] = loop.stack
         ds = deepspeed_config(
             model,
             cluster,
@@ -870,13 +873,11 @@ def plan_files(
             optimizer=optimizer,
             extra={"predicted": predicted},
         )
-        if loop is best:
-            ds_label = f"{loop.strategy.short()} (DeepSpeed), ranked 1"
-        else:
-            ds_label = (
-                f"{loop.strategy.short()} (DeepSpeed): {loop.step_time_s:.3f} s, the best that "
-                f"launch/pretrain.py runs (pp=1, ZeRO <= 2; ranked 1: {best.strategy.short()})"
-            )
+        ds_label = (
+            f"{loop.strategy.short()} (DeepSpeed): {loop.step_time_s:.3f} s, "
+            f"{loop.peak_memory_gib:.1f} GiB for the {loop.stack} stack, pp=1, ZeRO <= 2"
+            + (", ranked 1" if loop.strategy == best.strategy else "")
+        )
     mega = megatron_estimate(
         model, cluster, train, tp_modes, allow_tp_across_nodes=allow_tp_across_nodes
     )
