@@ -41,7 +41,6 @@ from ds_stpar.config import (
     ClusterSpec,
     Layout,
     ModelSpec,
-    StparConfig,
     Strategy,
     TrainSpec,
     load_gpu,
@@ -426,9 +425,11 @@ def plan_command(args: argparse.Namespace) -> int:
     if not result.top:
         raise DoesNotFitError(does_not_fit_message(result, model, cluster, train, args))
     buckets = _bucket_plan(args, model, cluster, train) if args.data else None
-    files = {}
+    files, loop = {}, None
     if args.out:
         allow = args.allow_tp_across_nodes or None
+        if buckets is None:
+            loop = emit.loop_estimate(model, cluster, train, args.tp_modes, allow)
         files = emit.plan_files(
             result,
             model,
@@ -438,9 +439,7 @@ def plan_command(args: argparse.Namespace) -> int:
             tp_modes=args.tp_modes,
             allow_tp_across_nodes=allow,
             buckets=buckets,
-            loop=None
-            if buckets
-            else emit.loop_estimate(model, cluster, train, args.tp_modes, allow),
+            loop=loop,
         )
     written = [str(p) for p in emit.write_files_atomically(args.out, files)] if files else []
     if args.json:
@@ -480,10 +479,9 @@ def plan_command(args: argparse.Namespace) -> int:
         _print_buckets(buckets, args.stack)
     if written:
         print("wrote " + ", ".join(written))
-        home = StparConfig.from_dict(json.loads(files["ds_stpar.json"])["ds_stpar"]).home
-        if buckets is None and home != best.strategy:
+        if loop is not None and loop.strategy != best.strategy:
             print(
-                f"ds_stpar.json holds {home.short()}, the fastest layout launch/pretrain.py "
+                f"ds_stpar.json holds {loop.strategy.short()}, the fastest layout launch/pretrain.py "
                 "runs (megatron-core local modules, pp=1, ZeRO <= 2); the ranking is for the "
                 "published Megatron-LM stack"
             )
