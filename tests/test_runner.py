@@ -371,3 +371,24 @@ def test_cannon_buckets():
     """One launch of 4 workers: gradients of one mini-batch with a Cannon bucket and a
     Megatron-mode tp4 home against the float64 reference (megatron-core GPT; HF GPT-2)."""
     run_workers(_check_cannon_buckets, 4)
+
+
+def test_away_model_storage_is_held_only_between_acquire_and_release():
+    from ds_stpar.errors import ConfigError
+    from ds_stpar.seqbucket.runner import _AwayModel
+
+    params = {"w": torch.nn.Parameter(torch.ones(3, 4)), "b": torch.nn.Parameter(torch.ones(4))}
+    away = _AwayModel(params)
+    assert all(p.untyped_storage().nbytes() == 0 for p in params.values())  # released at once
+    away.acquire()
+    assert params["w"].untyped_storage().nbytes() == 3 * 4 * 4  # fp32: its own bytes again
+    assert {n: g.dtype for n, g in away.grads.items()} == {"w": torch.float32, "b": torch.float32}
+    (params["w"].sum() * 2).backward()  # the hook moves .grad into the fp32 accumulator
+    assert params["w"].grad is None and torch.equal(away.grads["w"], torch.full((3, 4), 2.0))
+    away.release_weights()
+    away.release_grads()
+    assert params["w"].untyped_storage().nbytes() == 0 and away.grads == {}
+    # a parameter viewing another tensor's storage cannot be released alone: refused by name
+    base = torch.zeros(8)
+    with pytest.raises(ConfigError, match=r"\['v'\] share storage"):
+        _AwayModel({"v": torch.nn.Parameter(base[:4])})
