@@ -35,6 +35,7 @@ class LayoutGroups:
     pp_ranks: tuple[int, ...]
     self_group: dist.ProcessGroup | None = None  # this rank alone (context parallel size 1)
     embd_group: dist.ProcessGroup | None = None  # first + last pipeline stage (tied embeddings)
+    model_group: dist.ProcessGroup | None = None  # TP x PP: one model replica (Megatron's "mp")
 
 
 class GroupCache:
@@ -62,12 +63,17 @@ class GroupCache:
             )
         mine: dict[str, tuple[dist.ProcessGroup, tuple[int, ...]]] = {}
         embd_groups = [[g[0], g[-1]] for g in layout.pp_groups()] if layout.pp > 1 else []
+        replicas = [
+            [layout.rank_of(d, p, t) for p in range(layout.pp) for t in range(layout.tp)]
+            for d in range(layout.dp)
+        ]
         for kind, all_groups in (
             ("tp", layout.tp_groups()),
             ("dp", layout.dp_groups()),
             ("pp", layout.pp_groups()),
             ("self", [[r] for r in range(world)]),
             ("embd", embd_groups),
+            ("model", replicas),
         ):
             for ranks in all_groups:  # every rank creates every group, in the same order
                 group = self._group(ranks)
@@ -88,6 +94,7 @@ class GroupCache:
             pp_ranks=mine["pp"][1],
             self_group=mine["self"][0],
             embd_group=mine["embd"][0] if "embd" in mine else None,
+            model_group=mine["model"][0],
         )
         self._groups[layout] = groups
         return groups

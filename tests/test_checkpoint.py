@@ -56,9 +56,10 @@ def _reference_and_layout_change(rank: int, world: int, tmp: Path) -> None:
 
     os.environ["LOCAL_RANK"] = str(rank)
     run(_opts(TINY, tmp, "ref", STEPS, save=str(tmp / "ref_ckpt"), save_interval=2))
-    # resume step 2 under other layouts and ZeRO 2: home DP2, short bucket ring TP2. One file
-    # per rank: two ranks rewriting one file let a rank read it while the other truncated it.
-    layouts = [{"tp": 2, "tp_mode": "ring"}, {"dp": 2}]
+    # resume step 2 under other layouts and ZeRO 2: home DP2, short bucket pipelined (PP2, 1F1B
+    # in the training loop). One file per rank: two ranks rewriting one file let a rank read
+    # it while the other truncated it.
+    layouts = [{"pp": 2}, {"dp": 2}]
     other = _config(tmp, f"other-{rank}.json", layouts, zero=2)
     run(_opts(other, tmp, "other", 4, load=str(tmp / "ref_ckpt" / "step-00000002")))
 
@@ -93,7 +94,7 @@ def test_resume_under_other_layouts_world_sizes_and_after_sigkill(tmp_path):
     assert [r["mini_batch"] for r in ref] == list(range(STEPS))
     other = _rows(tmp_path / "other")
     assert [r["step"] for r in other] == [3, 4]
-    _assert_follows(other, ref, "ZeRO 1 tp2-home -> ZeRO 2 dp2-home with a ring short bucket")
+    _assert_follows(other, ref, "ZeRO 1 tp2-home -> ZeRO 2 dp2-home with a pp2 short bucket")
 
     # SIGKILL the whole launcher process group right after its first checkpoint (mid-step 3),
     # then resume it in ONE process (another world size and layout): same data and losses.

@@ -25,9 +25,11 @@ from ds_stpar.config import Bucket, Layout, ModelSpec, StparConfig, Strategy, Tr
 from tests.distributed import run_workers
 
 TINY = ModelSpec("tiny", 2, 64, 4, vocab_size=258, max_position_embeddings=256, dropout=0.0)
+UNTIED = dataclasses.replace(TINY, tied_embeddings=False)  # a pipelined home needs it
 EDGES = (64, 128, 256)
 DP2, TP2, RING2 = Layout(dp=2), Layout(tp=2), Layout(tp=2, tp_mode="ring")
 DP4, TP4, CANNON4 = Layout(dp=4), Layout(tp=4), Layout(tp=4, tp_mode="cannon")  # 2x2 torus
+PP2, PP4, RING2_PP2 = Layout(pp=2), Layout(pp=4), Layout(tp=2, pp=2, tp_mode="ring")
 
 
 def _config(
@@ -89,7 +91,8 @@ def _setup(cfg: StparConfig, ds: dict, cache, docs, seed: int = 0):
     models = build_layout_models(model, strategies, cfg.home, cache, "fp32", seed)
     home = models[model_key(cfg.home)]
     engine = build_engine(home.module, engine_config(ds, cfg), home.groups)
-    runner = BucketRunner(engine, models, cfg.home, docs.__getitem__, BYTE_PAD_ID, True, 2)
+    tied = model.tied_embeddings
+    runner = BucketRunner(engine, models, cfg.home, docs.__getitem__, BYTE_PAD_ID, tied, 2)
     return model, runner
 
 
@@ -101,19 +104,22 @@ def _self_groups(cache, rank):
 
 
 def _gather_full(local: dict, runner) -> dict:
-    """Full tensors from this layout's local shards: all-gather, then place every rank's
-    pieces by the sharding descriptors (shards.rank_pieces)."""
-    from ds_stpar.seqbucket.shards import rank_pieces
+    """Full tensors from this layout's local shards: all-gather (a rank whose pipeline stage
+    holds no piece of a parameter sends zeros), then place every rank's pieces by the
+    sharding descriptors (shards.rank_pieces)."""
+    from ds_stpar.seqbucket.shards import local_shape, rank_pieces
 
     placement = runner.planner.placement(runner.home_key)
+    layout = runner.home_key.layout
     out = {}
-    for name, tensor in local.items():
+    for name in sorted(runner.specs):
         spec = runner.specs[name]
-        parts = [
-            torch.empty(tensor.shape, dtype=tensor.dtype) for _ in range(dist.get_world_size())
-        ]
-        dist.all_gather(parts, tensor.contiguous())
-        full = torch.empty(spec.shape, dtype=tensor.dtype)
+        mine = local.get(name)
+        if mine is None:
+            mine = torch.zeros(local_shape(spec, layout), dtype=torch.float32)
+        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, mine.contiguous())
+        full = torch.empty(spec.shape, dtype=mine.dtype)
         for r, part in enumerate(parts):
             for piece in rank_pieces(spec, placement, r):
                 full[tuple(slice(a, b) for a, b in piece.box)] = part[piece.local_slices(piece.box)]
@@ -214,9 +220,12 @@ def _check_gradients(rank: int, world: int) -> None:
         ("dp2,dp2 -> tp2 switching, ZeRO 0", (DP2, DP2, TP2), 0),
         ("ring2,tp2 -> dp2 switching, ZeRO 2", (RING2, TP2, DP2), 2),
         ("dp2,tp2 -> tp2 ring switching, ZeRO 1", (DP2, TP2, RING2), 1),
+        ("pp2 static, ZeRO 1", (PP2, PP2, PP2), 1, UNTIED),
+        ("dp2,tp2 -> pp2 switching, ZeRO 0", (DP2, TP2, PP2), 0, UNTIED),
+        ("pp2 (tied LM head on stage 1) -> dp2 switching, ZeRO 2", (PP2, PP2, DP2), 2),
     ]
-    for what, layouts, zero in cases:
-        cfg = _config(layouts, zero)
+    for what, layouts, zero, *model in cases:
+        cfg = _config(layouts, zero, model=model[0] if model else TINY)
         model, runner = _setup(cfg, _ds_config(zero), cache, docs)
         _check_against_reference(what, cfg, model, runner, docs, cache, rank, 2048)
     _check_recompute_shares_the_home_model(docs, cache, rank)
@@ -329,6 +338,7 @@ def _check_cannon_buckets(rank: int, world: int) -> None:
     model, runner = _setup(cfg, _ds_config(1), cache, docs)
     assert runner.specs["decoder.layers.0.mlp.linear_fc1.weight"].cannon_blocks
     _check_against_reference(what, cfg, model, runner, docs, cache, rank, 1024)
+    _check_pipelines(docs, cache, rank, edges)
 
     # HF: descriptors in the parallel layers' [out, in]; GPT-2's Conv1D stores [in, out],
     # and a tp=1 layout keeps it (switched through transposed views)
@@ -364,6 +374,20 @@ def _check_cannon_buckets(rank: int, world: int) -> None:
         ref_loss, ref_grads = _reference(base, forward, transpose_conv1d(weights), plan, docs)
         _compare(what, runner, stats, plan, ref_loss, transpose_conv1d(ref_grads))
         runner.engine.destroy()
+
+
+def _check_pipelines(docs, cache, rank: int, edges) -> None:
+    """Pipelined homes on 4 ranks: TP ring x PP (the hidden state crosses stages split by
+    sequence parallelism) and PP4 over 4 layers (1F1B warm-up of 3 forwards on stage 0)."""
+    four = dataclasses.replace(UNTIED, num_layers=4)
+    for what, layouts, model in (
+        ("dp4 -> tp2 ring x pp2 home, ZeRO 1", (DP4, RING2_PP2), UNTIED),
+        ("dp4 -> pp4 home, 4 layers, ZeRO 2", (DP4, PP4), four),
+    ):
+        zero = 2 if "ZeRO 2" in what else 1
+        cfg = _config(layouts, zero, model=model, edges=edges)
+        model, runner = _setup(cfg, _ds_config(zero), cache, docs)
+        _check_against_reference(what, cfg, model, runner, docs, cache, rank, 1024)
 
 
 @pytest.mark.dist

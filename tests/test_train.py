@@ -130,7 +130,7 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["--config", str(malformed)], "bad.json:2:15: malformed JSON"),
         (["--config", str(no_section)], 'no "ds_stpar" section'),
         (["--config", str(zero3)], "ZeRO stage 3 is not supported"),
-        (["--config", str(pp2)], "pp=2"),
+        (["--config", str(pp2)], "pp=2 with tied embeddings"),
         (["--config", tiny, "--data", str(tmp_path / "nope")], "nope: no such file or folder"),
         (["--config", tiny, "--tokenizer", str(tmp_path / "tok.json")], "no such tokenizer"),
         (["--config", tiny, "--load", str(tmp_path)], "no checkpoint here"),

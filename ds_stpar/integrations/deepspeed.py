@@ -79,9 +79,16 @@ class LayoutMPU:
     def get_tensor_model_parallel_src_rank(self) -> int:
         return self.groups.tp_ranks[0]
 
-    get_model_parallel_group = get_tensor_model_parallel_group
-    get_model_parallel_world_size = get_tensor_model_parallel_world_size
-    get_model_parallel_rank = get_tensor_model_parallel_rank
+    # model parallel: one model replica, TP x PP (gradient norms are summed over it; with
+    # pp = 1 it is the TP group)
+    def get_model_parallel_group(self):
+        return self.groups.model_group
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.groups.layout.tp * self.groups.layout.pp
+
+    def get_model_parallel_rank(self) -> int:
+        return self.groups.pp_index * self.groups.layout.tp + self.groups.tp_index
 
     # data parallel
     def get_data_parallel_group(self):

@@ -170,6 +170,12 @@ def _check_plan(cfg: StparConfig) -> None:
     edges = [b.max_len for b in cfg.buckets]
     check_strategies(strategies, edges)
     for strategy, edge in zip(strategies, edges):
+        if strategy.layout.pp > 1:
+            raise ConfigError(
+                f"bucket {edge}: pp={strategy.layout.pp}; a transformers model runs without "
+                "pipeline parallelism here (launch/pretrain.py runs pipelined megatron-core "
+                "models): re-plan with pp=1"
+            )
         tp = strategy.layout.tp
         if edge % tp:  # apply_stpar scatters every sequence over the TP group
             raise ConfigError(f"bucket {edge}: TP={tp} needs the edge to be a multiple of {tp}")

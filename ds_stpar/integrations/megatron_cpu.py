@@ -2,7 +2,9 @@
 
 Megatron allocates with ``device=torch.cuda.current_device()`` and forks a CUDA RNG tracker
 (checked in ../shared/design/cpu-environment.md); its dist_checkpointing also calls
-``torch.cuda.synchronize()``. :func:`apply` redirects all three to the CPU.
+``torch.cuda.synchronize()``, and a pipelined GPTModel with tied embeddings moves the LM
+head's copy with ``Tensor.cuda()`` before summing it over the first and last stage.
+:func:`apply` redirects all four to the CPU.
 It refuses to run where CUDA is available: these shims must never touch a GPU run.
 """
 
@@ -28,4 +30,5 @@ def apply() -> None:
     torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
     torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
     torch.cuda.synchronize = lambda *a, **k: None  # dist_checkpointing syncs before saving
+    torch.Tensor.cuda = lambda self, *a, **k: self  # LanguageModule's tied head, pp > 1
     _applied = True

@@ -57,8 +57,16 @@ The home bucket always runs at least one micro-batch per rank (a zero-weight pad
 the mini-batch has no piece of the longest bucket), so the carry always reaches a backward
 and DeepSpeed's step always follows one.
 
-Only ``pp == 1`` layouts: Megatron's pipeline schedules allocate on "cuda" and would need a
-DeepSpeed-aware driver; :func:`check_strategies` refuses ``pp > 1``.
+Pipeline layouts (``pp > 1``, not interleaved) run their micro-batches in 1F1B order
+(:class:`~ds_stpar.seqbucket.pipeline.PipelineStage`) on megatron-core's stage models. Every
+stage's backward of the home model goes through ``engine.backward``, so DeepSpeed's hooks,
+reduction and boundary see every micro-batch: the last stage's on the loss (scaled by ``d`` as
+above), the others' on the scalar ``sum(output * grad)``, whose gradient with respect to the
+stage output is exactly the received ``grad``. Parameters are named globally on every stage
+(``decoder.layers.<global index>``; a tied LM head on the last stage under the embedding's
+name), which is what the switch descriptors place. A home layout with ``pp > 1`` must not tie
+embeddings and LM head: their gradients are partial on the first and last stage and would
+need a sum across stages before DeepSpeed reduces them (:func:`check_strategies`).
 """
 
 from __future__ import annotations
@@ -81,23 +89,40 @@ from ds_stpar.layers.cross_entropy import vocab_parallel_cross_entropy
 from ds_stpar.parallel import GroupCache, LayoutGroups
 from ds_stpar.seqbucket.loss import masked_token_loss
 from ds_stpar.seqbucket.packing import PackedBatch, RowPlan, collate
+from ds_stpar.seqbucket.pipeline import PipelineStage
 from ds_stpar.seqbucket.sampler import BucketPlan, MicroBatch, MiniBatchPlan
-from ds_stpar.seqbucket.shards import ParamSpec, Placement, local_shape, tp_pieces
+from ds_stpar.seqbucket.shards import (
+    ParamSpec,
+    Placement,
+    local_shape,
+    param_stages,
+    tp_pieces,
+)
 from ds_stpar.seqbucket.switch import SWITCH_ROUND_BYTES, SwitchPlanner, switch, switch_grads
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
-def check_strategies(strategies: Sequence[Strategy], edges: Sequence[int]) -> None:
-    """Refuse what the runner cannot run: pipeline parallelism, and sequence-parallel buckets
-    whose rows do not split evenly over TP."""
-    for strategy, edge in zip(strategies, edges):
+def check_strategies(
+    strategies: Sequence[Strategy], edges: Sequence[int], tied_embeddings: bool = False
+) -> None:
+    """Refuse what the runner cannot run: interleaved pipelines, a pipelined home layout
+    (the last, longest bucket's) of a model with tied embeddings, and sequence-parallel
+    buckets whose rows do not split evenly over TP."""
+    for index, (strategy, edge) in enumerate(zip(strategies, edges)):
         layout = strategy.layout
-        if layout.pp > 1:
+        if layout.pp > 1 and strategy.vpp_layers:
             raise ConfigError(
-                f"bucket {edge}: pp={layout.pp}; the ds_stpar training loop runs pp=1 layouts "
-                "only (Megatron's pipeline schedules need CUDA and a Megatron training loop); "
-                "re-plan without pipeline parallelism or train with Megatron-LM"
+                f"bucket {edge}: interleaved pipeline stages (vpp_layers="
+                f"{strategy.vpp_layers}); the ds_stpar training loop runs non-interleaved "
+                "1F1B only: re-plan, or train this layout with Megatron-LM"
+            )
+        if layout.pp > 1 and tied_embeddings and index == len(strategies) - 1:
+            raise ConfigError(
+                f"home bucket {edge}: pp={layout.pp} with tied embeddings and LM head; their "
+                "gradients would need a sum across the first and last stage inside "
+                "DeepSpeed's reduction. Re-plan (the planner keeps such homes at pp=1), untie "
+                "the embeddings, or train with Megatron-LM"
             )
         sp = strategy.sequence_parallel or layout.tp_mode != "megatron"
         if layout.tp > 1 and sp and edge % layout.tp:
@@ -107,10 +132,12 @@ def check_strategies(strategies: Sequence[Strategy], edges: Sequence[int]) -> No
             )
 
 
-def _layout_specs(module: torch.nn.Module, layout: Layout, tied: bool) -> dict[str, ParamSpec]:
-    """Descriptors read from one layout's GPTModel, by global name."""
+def _layout_specs(
+    params: Mapping[str, torch.nn.Parameter], layout: Layout, tied: bool
+) -> dict[str, ParamSpec]:
+    """Descriptors of one layout's GPTModel parameters, by global name."""
     specs = {}
-    for name, param in module.named_parameters():
+    for name, param in params.items():
         match = _LAYER.match(name)
         if match:
             kw = {"layer": int(match.group(1))}
@@ -126,10 +153,31 @@ def _layout_specs(module: torch.nn.Module, layout: Layout, tied: bool) -> dict[s
     return specs
 
 
+def megatron_global_names(module: torch.nn.Module) -> dict[str, str]:
+    """A megatron-core GPT stage's parameter names that differ from their global names:
+    ``decoder.layers.<i>`` counts the stage's own layers (its ``layer_number`` is global and
+    1-based), and a later stage's tied LM head is the embedding's copy."""
+    renames = {}
+    for name, _ in module.named_parameters():
+        match = _LAYER.match(name)
+        if match:
+            local = int(match.group(1))
+            layer = module.decoder.layers[local].layer_number - 1
+            if layer != local:
+                renames[name] = f"decoder.layers.{layer}.{name[match.end() :]}"
+        elif name == "output_layer.weight" and getattr(
+            module, "share_embeddings_and_output_weights", False
+        ):
+            renames[name] = "embedding.word_embeddings.weight"
+    return renames
+
+
 def param_specs(models: Mapping[Strategy, LayoutModel], tied: bool) -> dict[str, ParamSpec]:
     """Full-tensor descriptors of megatron-core GPTModels' parameters, by global name, one per
     parameter whatever the layout, read from the TP attributes of every layout's model (so
-    padding and layer choices are the models').
+    padding and layer choices are the models'). A pipeline stage holds some of them; the
+    descriptors are the union over the models and, when a model is pipelined, over the ranks
+    (collective then), and a parameter seen by several models must agree.
 
     Two flags say how a parameter is held under layouts of one kind, and only a model of that
     kind carries them: ``cannon_blocks`` (a temporal linear's weight: ``stpar_tp_mode``, which
@@ -139,38 +187,49 @@ def param_specs(models: Mapping[Strategy, LayoutModel], tied: bool) -> dict[str,
     (full shape, partitioning, placement) must agree across the models."""
     merged: dict[str, ParamSpec] = {}
     for key, model in models.items():
-        specs = _layout_specs(model.module, key.layout, tied)
-        if merged and specs.keys() != merged.keys():
-            raise ConfigError(
-                f"the {key.layout.short()} model's parameters differ from the other layouts'"
-            )
-        for name, spec in specs.items():
-            seen = merged.setdefault(name, spec)
-            flags = {
-                "cannon_blocks": spec.cannon_blocks or seen.cannon_blocks,
-                "sequence_parallel_grad": spec.sequence_parallel_grad
-                or seen.sequence_parallel_grad,
-            }
-            spec = dataclasses.replace(spec, **flags)
-            if spec != dataclasses.replace(seen, **flags):
-                raise ConfigError(
-                    f"{name}: the {key.layout.short()} model's full parameter differs from the "
-                    "other layouts' (its shape or sharding); pad the vocabulary to a multiple "
-                    "of every TP degree"
-                )
-            merged[name] = spec
+        for name, spec in _layout_specs(model.params, key.layout, tied).items():
+            _merge_spec(merged, name, spec, f"the {key.layout.short()} model's")
+    if dist.is_initialized() and any(key.layout.pp > 1 for key in models):
+        # a stage sees its own parameters only: the union over the ranks describes them all
+        everyone: list[dict[str, ParamSpec]] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(everyone, merged)
+        for rank, specs in enumerate(everyone):
+            for name, spec in specs.items():
+                _merge_spec(merged, name, spec, f"rank {rank}'s")
     return merged
+
+
+def _merge_spec(merged: dict[str, ParamSpec], name: str, spec: ParamSpec, whose: str) -> None:
+    """Add ``spec`` to ``merged``: the flags of param_specs' docstring are OR-ed, everything
+    else must agree with what is there."""
+    seen = merged.setdefault(name, spec)
+    flags = {
+        "cannon_blocks": spec.cannon_blocks or seen.cannon_blocks,
+        "sequence_parallel_grad": spec.sequence_parallel_grad or seen.sequence_parallel_grad,
+    }
+    spec = dataclasses.replace(spec, **flags)
+    if spec != dataclasses.replace(seen, **flags):
+        raise ConfigError(
+            f"{name}: {whose} full parameter differs from the other layouts' (its shape or "
+            "sharding); pad the vocabulary to a multiple of every TP degree"
+        )
+    merged[name] = spec
 
 
 def check_local_shapes(
     models: Mapping[Strategy, LayoutModel], specs: Mapping[str, ParamSpec]
 ) -> None:
-    """Every layout's model holds exactly the described parameters, each of the local shape
-    its descriptor gives under that layout (what switching will write into it)."""
+    """Every layout's model holds exactly the described parameters its pipeline stage owns,
+    each of the local shape its descriptor gives under that layout (what switching will write
+    into it)."""
+    num_layers = 1 + max((s.layer for s in specs.values() if s.layer is not None), default=-1)
     for key, model in models.items():
         params = model.described(model.params)
-        if params.keys() != specs.keys():
-            missing = sorted(params.keys() ^ specs.keys())[:3]
+        placement = Placement.of(key, num_layers)
+        stage = model.groups.pp_index
+        held = {n for n, s in specs.items() if stage in param_stages(s, placement)}
+        if params.keys() != held:
+            missing = sorted(params.keys() ^ held)[:3]
             raise ConfigError(
                 f"the {key.layout.short()} model's parameters differ from the descriptors' "
                 f"(e.g. {', '.join(missing)})"
@@ -198,10 +257,13 @@ class LayoutModel:
     groups: LayoutGroups
     module: torch.nn.Module
     transposed: frozenset[str] = frozenset()
+    renames: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def params(self) -> dict[str, torch.nn.Parameter]:
-        return dict(self.module.named_parameters())
+        """This rank's parameters by global name (``renames``: module name -> global name,
+        where they differ: a pipeline stage's layers, :func:`megatron_global_names`)."""
+        return {self.renames.get(n, n): p for n, p in self.module.named_parameters()}
 
     def described(self, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """``tensors`` (this model's parameters or tensors of their shapes) as views in the
@@ -276,7 +338,7 @@ def build_layout_models(
         if key == model_key(home):
             seed_megatron(seed, groups.tp_index)
         module = build_gpt(model, key, groups, dtype=dtype, seq_len=seq_len)
-        models[key] = LayoutModel(key, groups, module)
+        models[key] = LayoutModel(key, groups, module, renames=megatron_global_names(module))
     return models
 
 
@@ -451,6 +513,14 @@ class BucketRunner:
         for param in self.sp_params.values():
             param.register_hook(self._tp_all_reduce)
         self._fresh: set[Strategy] = set()  # layouts whose weights match the home's
+        if self.home.strategy.layout.pp > 1 and tied_embeddings:
+            check_strategies([home], [0], tied_embeddings=True)  # raises: module docstring
+        for key, model in self.models.items():
+            if key.layout.pp > 1:
+                # NCCL creates a group's communicator at its first use, collectively; a batched
+                # P2P as first use must involve every rank of the group, which the first
+                # transfers of 1F1B do not (pp > 2)
+                dist.all_reduce(torch.zeros(1, device=self.device), group=model.groups.pp_group)
 
     # ---- pieces ----------------------------------------------------------------------
     def _tp_all_reduce(self, grad: Tensor) -> Tensor:
@@ -477,12 +547,86 @@ class BucketRunner:
             mbs = (MicroBatch((RowPlan(bucket.edge),)),)
         return mbs
 
-    def _loss(self, module, model: LayoutModel, mb: MicroBatch, num_targets: int):
+    def _loss(self, module, model: LayoutModel, mb: MicroBatch, num_targets: int) -> Tensor:
+        """A micro-batch's loss through a whole (not pipelined) megatron-core model."""
+        return self._forward_stage(module, model, mb, num_targets, None)
+
+    def _forward_stage(
+        self, module, model: LayoutModel, mb: MicroBatch, num_targets: int, hidden: Tensor | None
+    ) -> Tensor:
+        """Megatron-core stage forward: the loss on the last stage, else the hidden state."""
         batch = collate(mb.rows, self.tokens, self.pad_id)
         ids, positions, labels, params = packed_inputs(batch, self.device)
-        logits = module(ids, positions, None, packed_seq_params=params)
-        losses = vocab_parallel_cross_entropy(logits, labels, group=model.groups.tp_group)
+        if hidden is not None:
+            model.module.set_input_tensor(hidden)
+        out = module(ids, positions, None, packed_seq_params=params)
+        if model.groups.pp_index < model.strategy.layout.pp - 1:
+            return out
+        losses = vocab_parallel_cross_entropy(out, labels, group=model.groups.tp_group)
         return masked_token_loss(losses, labels, num_targets)
+
+    def _forward(
+        self, module, model: LayoutModel, mb: MicroBatch, num_targets: int, hidden: Tensor | None
+    ) -> Tensor:
+        """The micro-batch through this rank's stage of ``model`` (``module``: it, or the
+        engine wrapping it): its loss on the last stage (:meth:`_loss` when not pipelined),
+        else its output hidden state. ``hidden``: the previous stage's output (None on the
+        first stage)."""
+        if model.strategy.layout.pp == 1:
+            return self._loss(module, model, mb, num_targets)
+        return self._forward_stage(module, model, mb, num_targets, hidden)
+
+    def _backward(self, is_home: bool, boundary: bool, output: Tensor, grad: Tensor | None):
+        """Backward of one micro-batch on this stage: from the loss (``grad`` None), or from
+        the stage output and its received gradient. The home model's goes through
+        ``engine.backward`` (module docstring: the loss scaled by the home DP size, a stage
+        output as ``sum(output * grad)``), with DeepSpeed's boundary at ``boundary``."""
+        if not is_home:
+            output.backward(grad)
+            return
+        scalar = output * self.home_dp if grad is None else (output * grad).sum()
+        self.engine.set_gradient_accumulation_boundary(boundary)
+        self.engine.backward(scalar, scale_wrt_gas=False)
+
+    def _run_micro_batches(
+        self, model: LayoutModel, mbs: Sequence[MicroBatch], is_home: bool, boundary: bool, n: int
+    ) -> Tensor:
+        """Forward and backward of ``mbs`` on ``model`` (1F1B over its pipeline when pp > 1);
+        ``boundary``: the last one closes DeepSpeed's accumulation. Returns the sum of the
+        losses this rank reports (its TP rank 0 of the last stage; 0 elsewhere)."""
+        module = self.engine if is_home else model.module
+        groups = model.groups
+        reports = groups.tp_index == 0 and groups.pp_index == model.strategy.layout.pp - 1
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        last = len(mbs) - 1
+
+        def forward(k: int, hidden: Tensor | None) -> Tensor:
+            nonlocal total
+            out = self._forward(module, model, mbs[k], n, hidden)
+            if reports:
+                total += out.detach().double()
+            return out
+
+        def backward(k: int, output: Tensor, grad: Tensor | None) -> None:
+            self._backward(is_home, boundary and k == last, output, grad)
+
+        if model.strategy.layout.pp == 1:
+            for k in range(len(mbs)):
+                backward(k, forward(k, None), None)
+            return total
+        stage = PipelineStage(groups.pp_group, model.module.config.params_dtype, self.device)
+        stage.run(len(mbs), lambda k: self._hidden_shape(model, mbs[k]), forward, backward)
+        return total
+
+    @staticmethod
+    def _hidden_shape(model: LayoutModel, mb: MicroBatch) -> tuple[int, int, int]:
+        """What passes between pipeline stages: ``[S/tp, 1, h]`` for a micro-batch of ``S``
+        packed tokens (split over TP under sequence parallelism)."""
+        config = model.module.config
+        tokens = sum(row.length for row in mb.rows)
+        if config.sequence_parallel:
+            tokens //= model.strategy.layout.tp
+        return (tokens, 1, config.hidden_size)
 
     def _switch_weights(self, key: Strategy) -> None:
         self.away[key].acquire()
@@ -555,16 +699,7 @@ class BucketRunner:
             mbs = self._micro_batches(bucket, model, is_home)
             if is_home and self.carry is not None:
                 self._add_carry()  # before any activation of this bucket exists
-            for k, mb in enumerate(mbs):
-                if is_home:
-                    self.engine.set_gradient_accumulation_boundary(i == last and k == len(mbs) - 1)
-                    loss = self._loss(self.engine, model, mb, n)
-                    self.engine.backward(loss * self.home_dp, scale_wrt_gas=False)
-                else:
-                    loss = self._loss(model.module, model, mb, n)
-                    loss.backward()
-                if model.groups.tp_index == 0:
-                    loss_sum += loss.detach().double()
+            loss_sum += self._run_micro_batches(model, mbs, is_home, i == last, n)
             self._sync()
             t2 = time.perf_counter()
             if not is_home and last_use[key] == i:
