@@ -190,10 +190,13 @@ def _compare(what: str, runner, stats, plan, ref_loss: float, ref_grads: dict) -
     assert stats.switches == 2 * len(away), (what, stats.switches)
 
 
-def _check_against_reference(what, cfg, model, runner, docs, cache, rank, tokens) -> None:
+def _check_against_reference(
+    what, cfg, model, runner, docs, cache, rank, tokens, grad_norm: bool = False
+) -> None:
     """One mini-batch holding every bucket, accumulated by ``runner``: its loss and home
-    gradients against the float64 megatron-core reference on the same weights (then the
-    engine is released)."""
+    gradients against the float64 megatron-core reference on the same weights; with
+    ``grad_norm``, also the global gradient norm DeepSpeed computes in its step (summed over
+    DP, TP and pipeline stages through the mpu); then the engine is released."""
     from ds_stpar.seqbucket.sampler import BucketSampler
 
     plan = _full_plan(BucketSampler(docs.lengths, cfg.buckets, tokens, seed=2))
@@ -206,6 +209,13 @@ def _check_against_reference(what, cfg, model, runner, docs, cache, rank, tokens
         assert all(p.untyped_storage().nbytes() == 0 for p in away.params.values()), what
     ref_loss, ref_grads = _megatron_reference(model, weights, plan, docs, cache, rank)
     _compare(what, runner, stats, plan, ref_loss, ref_grads)
+    if grad_norm:
+        runner.engine.step()
+        ref_norm = math.sqrt(sum(g.pow(2).sum().item() for g in ref_grads.values()))
+        # fp32 sums of ~1e4-1e5 squared entries against float64: 1e-5 relative is ~100x
+        # their rounding; a stage or TP rank left out of the sum moves it by far more
+        norm = runner.engine.get_global_grad_norm()
+        assert math.isclose(float(norm), ref_norm, rel_tol=1e-5), (what, norm, ref_norm)
     runner.engine.destroy()
 
 
@@ -387,7 +397,7 @@ def _check_pipelines(docs, cache, rank: int, edges) -> None:
         zero = 2 if "ZeRO 2" in what else 1
         cfg = _config(layouts, zero, model=model, edges=edges)
         model, runner = _setup(cfg, _ds_config(zero), cache, docs)
-        _check_against_reference(what, cfg, model, runner, docs, cache, rank, 1024)
+        _check_against_reference(what, cfg, model, runner, docs, cache, rank, 1024, True)
 
 
 @pytest.mark.dist
