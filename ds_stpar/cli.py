@@ -406,6 +406,7 @@ def does_not_fit_message(result, model, cluster, train, args) -> str:
 
 def plan_command(args: argparse.Namespace) -> int:
     from ds_stpar.planner import emit
+    from ds_stpar.planner.buckets import loop_rule
     from ds_stpar.planner.search import search
 
     model, cluster, train = _inputs(args)
@@ -482,8 +483,8 @@ def plan_command(args: argparse.Namespace) -> int:
         if loop is not None and loop.strategy != best.strategy:
             print(
                 f"ds_stpar.json holds {loop.strategy.short()}, the fastest layout launch/pretrain.py "
-                "runs (megatron-core local modules, pp=1, ZeRO <= 2); the ranking is for the "
-                "published Megatron-LM stack"
+                f"runs (megatron-core local modules, {loop_rule(model.tied_embeddings)}); the "
+                "ranking is for the published Megatron-LM stack"
             )
     else:
         print("write ds_stpar.json, megatron_args.txt and plan.md with --out DIR")

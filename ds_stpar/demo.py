@@ -70,12 +70,14 @@ def choose_buckets(
 
     note = ""
     try:
-        from ds_stpar.planner.buckets import plan_buckets
+        from ds_stpar.planner.buckets import plan_buckets, runnable
 
         cluster = ClusterSpec(load_gpu(DEMO_GPU), PROCESSES, gpus_per_node=PROCESSES)
         plan = plan_buckets(lengths, model, cluster, train, max_buckets=2)
-        runnable = all(b.strategy.layout.pp == 1 and b.strategy.zero <= 2 for b in plan.buckets)
-        if len(plan.buckets) > 1 and runnable:
+        runs = all(
+            runnable(b.strategy, model.tied_embeddings, home=b is plan.home) for b in plan.buckets
+        )
+        if len(plan.buckets) > 1 and runs:
             buckets = tuple(
                 Bucket(b.edge, Strategy(b.strategy.layout, b.strategy.micro_batch, 1))
                 for b in plan.buckets

@@ -62,17 +62,25 @@ def _fits(strategy: Strategy, seq: int) -> bool:
     return estimate(MODEL, H100x2, TrainSpec(seq, 2 * strategy.micro_batch), strategy).fits
 
 
-def _timing(strategy: Strategy, edge: int, micro_batches: float) -> tuple[float, float]:
+def _parts(est) -> tuple[float, float]:
+    """(forward + backward, DP reduction + optimizer) seconds of an estimate."""
+    update = est.time_breakdown["dp_comm_exposed"] + est.time_breakdown["optimizer"]
+    return est.step_time_s - update, update
+
+
+def _timing(
+    strategy: Strategy,
+    edge: int,
+    micro_batches: float,
+    model: ModelSpec = MODEL,
+    cluster: ClusterSpec = H100x2,
+    cal: Calibration | None = None,
+) -> tuple[float, float]:
     """(forward + backward, DP reduction + optimizer) seconds at a fractional m, from the cost
     model at m = 1 and m = 2 (it is affine in m)."""
     u = strategy.layout.dp * strategy.micro_batch
-    one, two = (estimate(MODEL, H100x2, TrainSpec(edge, k * u), strategy) for k in (1, 2))
-
-    def parts(est):
-        update = est.time_breakdown["dp_comm_exposed"] + est.time_breakdown["optimizer"]
-        return est.step_time_s - update, update
-
-    (p1, u1), (p2, u2) = parts(one), parts(two)
+    one, two = (estimate(model, cluster, TrainSpec(edge, k * u), strategy, cal) for k in (1, 2))
+    (p1, u1), (p2, u2) = _parts(one), _parts(two)
     return p1 + (micro_batches - 1) * (p2 - p1), u1 + (micro_batches - 1) * (u2 - u1)
 
 
@@ -227,18 +235,189 @@ def test_only_full_length_documents_give_the_static_layout():
 
 def test_static_baseline_is_what_the_training_loop_runs():
     # gpt3-2.7b on two 80 GB GPUs at 8192: the search's fastest static layout is ZeRO-3, which
-    # the hot-switching loop refuses (it reads the home parameters); the baseline is the
-    # fastest pp = 1, ZeRO <= 2 strategy of the same search, and the note names the other
+    # the hot-switching loop refuses (it reads the home parameters); the model ties its
+    # embedding and LM head, so the baseline is the fastest pp = 1, ZeRO <= 2 strategy of the
+    # same search, and the note names the other with its reason
     model, train = ModelSpec.load("gpt3-2.7b"), TrainSpec(8192, 64)
+    assert model.tied_embeddings
     plan = bk.plan_buckets(np.full(200, 8192), model, H100x2, train)
     ranked = search(model, H100x2, train, top_k=bk.ALL).top
-    assert not bk.runnable(ranked[0].strategy)
-    best_runnable = next(e for e in ranked if bk.runnable(e.strategy))
+    assert ranked[0].strategy.zero == 3 and not bk.runnable(ranked[0].strategy, True)
+    best_runnable = next(e for e in ranked if e.strategy.layout.pp == 1 and e.strategy.zero <= 2)
     assert plan.static.strategy == best_runnable.strategy
     assert plan.static_step_s == pytest.approx(best_runnable.step_time_s, rel=REL)
-    assert ranked[0].strategy.short() in plan.note
+    assert ranked[0].strategy.short() in plan.note and "ZeRO-3 shards" in plan.note
     # one sentence per clause, none left dangling
     assert not plan.note.rstrip().endswith(";") and "; ;" not in plan.note
+
+
+# --------------------------------------------------------------------------------------
+# Pipeline layouts: llama-4b (36 layers, 128K vocabulary) at 32K over a slow link (21 GB/s),
+# on the training loop's own stack, where a 2-stage pipeline beats TP; the model file ties
+# its embedding and LM head, and an untied copy may keep a pipeline home
+# --------------------------------------------------------------------------------------
+
+SLOW2 = ClusterSpec(dataclasses.replace(load_gpu("h100-80g"), nvlink_gbs=21.0), 2)
+LOCAL = Calibration.load_default("h100-80g", stack="megatron-core-local")
+TIED4B = ModelSpec.load(os.path.join(os.path.dirname(__file__), "../bench/models/llama-4b.json"))
+UNTIED4B = dataclasses.replace(TIED4B, tied_embeddings=False)
+STEP8 = TrainSpec(SEQ, 8)  # 8 rows of SEQ: 262,144 tokens per step
+
+
+def _loop_runs(strategy: Strategy, tied: bool) -> bool:
+    """The training loop's rule for a home layout, spelled out: ZeRO <= 2, no interleaving,
+    even stages, and no pipeline when the embedding and LM head are tied."""
+    even = not strategy.first_stage_layers and not strategy.last_stage_layers
+    pipeline_ok = strategy.layout.pp == 1 or not tied
+    return strategy.zero <= 2 and not strategy.vpp_layers and even and pipeline_ok
+
+
+@pytest.mark.parametrize(
+    "strategy, tied, home, reason",
+    [
+        (Strategy(Layout(pp=2), zero=0), True, True, "tie the embedding and LM head"),
+        (Strategy(Layout(pp=2), zero=0), True, False, ""),
+        (Strategy(Layout(pp=2), zero=0), False, True, ""),
+        (Strategy(Layout(dp=2), zero=3), False, True, "ZeRO-3"),
+        (Strategy(Layout(pp=2), zero=0, vpp_layers=6), False, True, "interleave"),
+        (Strategy(Layout(pp=2), zero=0, first_stage_layers=17, last_stage_layers=19), False, False,
+         "evenly"),
+    ],
+)  # fmt: skip
+def test_what_the_training_loop_runs(strategy, tied, home, reason):
+    refusal = bk.loop_refusal(strategy, tied, home)
+    assert bk.runnable(strategy, tied, home) == (refusal == "") == (reason == "")
+    assert reason in refusal
+
+
+def test_an_untied_model_keeps_a_pipeline_static_layout():
+    # documents of 8192 tokens, four to a row (attention ratio 1/4): the static layout is the
+    # fastest strategy of the search that the loop runs, each timed at that ratio; for the
+    # untied model a 2-stage pipeline, for the tied model file a pp = 1 layout, the note
+    # naming the faster pipeline and why the loop cannot hold it as its home
+    lengths = np.full(400, 8192)
+    best = {}
+    for model in (UNTIED4B, TIED4B):
+        ranked = search(model, SLOW2, STEP8, top_k=bk.ALL, calibration=LOCAL).top
+        timed = [bk.packed_estimate(model, SLOW2, STEP8, e.strategy, 0.25, LOCAL) for e in ranked]
+        timed.sort(key=lambda e: e.step_time_s)
+        best[model] = (
+            timed[0],
+            next(e for e in timed if _loop_runs(e.strategy, model.tied_embeddings)),
+        )
+    untied = bk.plan_buckets(lengths, UNTIED4B, SLOW2, STEP8, calibration=LOCAL)
+    fastest, runs = best[UNTIED4B]
+    assert untied.static.attention_ratio == 0.25 and untied.static.micro_batches == 8
+    assert untied.static.strategy == runs.strategy == fastest.strategy
+    assert untied.static.strategy.layout == Layout(pp=2)
+    assert untied.static_step_s == pytest.approx(runs.step_time_s, rel=REL)
+    assert untied.home.strategy == untied.static.strategy and "cannot run" not in untied.note
+    tied = bk.plan_buckets(lengths, TIED4B, SLOW2, STEP8, calibration=LOCAL)
+    fastest, runs = best[TIED4B]
+    assert tied.static.strategy == runs.strategy and runs.strategy.layout.pp == 1
+    assert tied.static_step_s == pytest.approx(runs.step_time_s, rel=REL)
+    assert fastest.strategy.layout == Layout(pp=2) and fastest.strategy.short() in tied.note
+    assert "cannot tie the embedding and LM head" in tied.note
+
+
+def test_a_tied_model_runs_a_pipeline_in_a_short_bucket_only():
+    # 80% of the tokens in documents of 4096: the short bucket runs a 2-stage pipeline, the
+    # home (and the static layout) stays pp = 1 since the model ties its embedding and LM head
+    short = 4096
+    lengths = np.array([short] * 640 + [SEQ] * 20)
+    plan = bk.plan_buckets(lengths, TIED4B, SLOW2, STEP8, edges=(short,), calibration=LOCAL)
+    low, home = plan.buckets
+    assert low.strategy.layout == Layout(pp=2) and low.strategy.vpp_layers == 0
+    assert home.strategy.layout.pp == 1 and plan.static.strategy.layout.pp == 1
+    assert plan.speedup > 1.0
+    # time: the cost model's 1F1B pipeline (bubble included) at the expected micro-batches,
+    # interpolated between direct estimates at m = 1 and 2 (u = 1: m = rows = 51.2)
+    assert low.micro_batches == pytest.approx(0.8 * STEP8.tokens_per_step / short, rel=REL)
+    seconds, _ = _timing(low.strategy, short, low.micro_batches, TIED4B, SLOW2, LOCAL)
+    assert low.time_s == pytest.approx(seconds, rel=REL)
+    # switch: extrapolated from 2- and 4-layer models, against the full 36-layer model (the
+    # tied word embedding lives on both stages of the pipeline)
+    switch = switch_cost_s(home.strategy, low.strategy, TIED4B, SLOW2, weight_bytes=2)
+    switch += switch_cost_s(
+        low.strategy, home.strategy, TIED4B, SLOW2, grad_bytes=4, weight_bytes=0
+    )
+    assert low.switch_s == pytest.approx(switch, rel=1e-6)
+    # memory: the home states, the pipeline's bf16 weights and fp32 gradients of its larger
+    # stage (the last: 18 layers, the LM head's copy of the embedding, the final norm) and
+    # its activations, largest on the first stage (two micro-batches in flight)
+    home_est = estimate(TIED4B, SLOW2, TrainSpec(SEQ, 2), home.strategy, LOCAL)
+    states = sum(home_est.memory_breakdown[k] for k in ("weights", "grads", "optimizer"))
+    last = (
+        18 * TIED4B.params_per_layer()
+        + TIED4B.vocab_size * TIED4B.hidden_size
+        + TIED4B.final_norm_params()
+    )
+    away = estimate(
+        TIED4B, SLOW2, TrainSpec(short, 2), low.strategy, LOCAL.replace(dp_bucket_elements=0)
+    )
+    b = away.memory_breakdown
+    assert away.peak_stage == 0
+    active = away.peak_memory_gib - b["weights"] - b["grads"] - b["optimizer"] - b["optimizer_step"]
+    assert low.peak_memory_gib == pytest.approx(states + 6 * last / 2**30 + active, rel=REL)
+
+
+def test_pipeline_timing_is_affine_in_micro_batches():
+    # the planner times a strategy from its estimates at 128 and 256 rows; a 2-stage pipeline
+    # pays its fill and drain once per pass, and the evaluation still equals a direct
+    # estimate at any micro-batch count, as does a bucket option's per-micro-batch model
+    planner = bk._Planner(
+        bk.Pieces.of(np.full(64, 4096), SEQ),
+        UNTIED4B,
+        SLOW2,
+        STEP8,
+        (4096, SEQ),
+        2,
+        ("megatron", "ring"),
+        False,
+        LOCAL,
+        0,
+        0.01,
+    )
+    s = Strategy(Layout(pp=2), zero=0, recompute="full")
+    passes = {}
+    for m in (1, 3, 8):
+        direct = estimate(UNTIED4B, SLOW2, TrainSpec(SEQ, m), s, LOCAL)
+        timing = planner.timing(SEQ, s, m, 1.0)
+        passes[m], update = _parts(direct)
+        assert timing.pass_s == pytest.approx(passes[m], rel=REL)
+        assert timing.update_s == pytest.approx(update, rel=REL)
+    per_micro_batch = (passes[8] - passes[1]) / 7
+    assert passes[1] > 1.5 * per_micro_batch  # the bubble: (m + 1) stage times for m
+    option = next(
+        o
+        for o in planner.options(4096, home=False)
+        if o.strategy == Strategy(Layout(pp=2), micro_batch=1, zero=0)
+    )
+    stats = planner.stats(0, 4096)  # one 4096-token document per row: attention ratio 1
+    seconds, m, ratio = option.seconds(stats)
+    assert ratio == 1.0 and m == pytest.approx(STEP8.tokens_per_step / 4096, rel=REL)
+    assert seconds == pytest.approx(planner.timing(4096, option.strategy, m, 1.0).pass_s, rel=REL)
+
+
+@pytest.mark.parametrize(
+    "home, away",
+    [
+        (Layout(tp=4), Layout(dp=2, pp=2)),
+        (Layout(dp=2, tp=2), Layout(pp=4)),
+        (Layout(tp=2, pp=2), Layout(dp=4)),
+        (Layout(tp=2, pp=2), Layout(pp=4)),
+    ],
+)
+@pytest.mark.parametrize("model", [MODEL, TIED4B, UNTIED4B], ids=["gpt3-1.3b", "tied", "untied"])
+def test_switch_costs_of_pipelines_extrapolate_to_the_full_model(model, home, away):
+    # from models of lcm(pp) and twice that many layers to the full model's 24 or 36
+    cluster = ClusterSpec(load_gpu("h100-80g"), 4, gpus_per_node=4)
+    h, a = Strategy(home, zero=1), Strategy(away, zero=0)
+    weights, grads = bk.SwitchCosts(model, cluster, 2)(h, a)
+    full_weights = switch_cost_s(h, a, model, cluster, weight_bytes=2)
+    full_grads = switch_cost_s(a, h, model, cluster, weight_bytes=0, grad_bytes=4)
+    assert weights == pytest.approx(full_weights, rel=1e-6)
+    assert grads == pytest.approx(full_grads, rel=1e-6)
 
 
 def test_min_buckets_gives_the_best_bucketed_plan_even_where_static_wins(skewed_plan):
@@ -385,8 +564,8 @@ def test_plot_without_matplotlib_names_the_extra(capsys, stdlib_jsonl, tmp_path,
 
 def test_bucketed_plan_notes_a_faster_static_layout_it_cannot_run(capsys, encodings_jsonl):
     # Over a 100 GB/s link two buckets beat the best runnable static layout, while a PP
-    # layout the loop cannot run is predicted faster still; the note says so in one clause
-    # (it once ended in a dangling "; ").
+    # layout the loop cannot run as its home is predicted faster still (gpt3-1.3b ties its
+    # embedding and LM head); the note says so in one clause (it once ended in a dangling "; ").
     argv = ["buckets", "--data", encodings_jsonl, "--model", "gpt3-1.3b", "--gpus", "2"]
     argv += ["--seq-len", "32768", "--global-batch", "128", "--stack", "fused", "--json"]
     argv += ["--nvlink-gbs", "100"]
@@ -394,7 +573,10 @@ def test_bucketed_plan_notes_a_faster_static_layout_it_cannot_run(capsys, encodi
     assert code == 0, err
     data = json.loads(out)
     assert len(data["buckets"]) == 2 and data["speedup"] > 1
-    assert "pp2" in data["note"] and data["note"].endswith("runs pp=1 and ZeRO 0-2 only")
+    assert data["static"]["strategy"]["layout"]["pp"] == 1
+    assert data["buckets"][-1]["strategy"]["layout"]["pp"] == 1
+    note = data["note"]
+    assert "pp2" in note and "cannot tie the embedding and LM head" in note
 
 
 def test_plan_data_writes_buckets_that_read_back(capsys, encodings_jsonl, tmp_path):

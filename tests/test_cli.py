@@ -176,9 +176,9 @@ def test_out_writes_three_files(capsys, tmp_path):
 
 
 def test_out_writes_a_layout_the_training_loop_runs(capsys, tmp_path):
-    # gpt3-1.3b on 8 GPUs ranks ZeRO-3 first, which launch/pretrain.py refuses; ds_stpar.json
-    # gets the fastest pp = 1, ZeRO <= 2 layout on the loop's own stack (megatron-core local
-    # modules), and plan.md names both
+    # gpt3-1.3b on 8 GPUs ranks ZeRO-3 first, which launch/pretrain.py refuses; the model ties
+    # its embedding and LM head, so ds_stpar.json gets the fastest pp = 1, ZeRO <= 2 layout on
+    # the loop's own stack (megatron-core local modules), and plan.md names both
     from ds_stpar.config import ClusterSpec, TrainSpec, load_gpu
     from ds_stpar.planner.profile import Calibration
     from ds_stpar.planner.search import search
@@ -202,9 +202,48 @@ def test_out_writes_a_layout_the_training_loop_runs(capsys, tmp_path):
     assert predicted["step_time_s"] == loop.step_time_s
     assert predicted["stack"] == "megatron-core-local"
     report = (out_dir / "plan.md").read_text()
-    assert "GiB for the megatron-core-local stack, pp=1, ZeRO <= 2 |" in report
+    assert "GiB for the megatron-core-local stack, pp=1 (tied embeddings), ZeRO <= 2 |" in report
     assert ranked[0].strategy.short() in report
     assert f"ds_stpar.json holds {loop.strategy.short()}, the fastest layout" in out
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_out_writes_a_pipeline_layout_for_an_untied_model_only(capsys, tmp_path, tied):
+    # llama-4b at 32K on 2 GPUs over a 21 GB/s link: on the loop's stack a 2-stage pipeline
+    # is the fastest layout the loop runs unless the model ties its embedding and LM head,
+    # which a pipelined home cannot; ds_stpar.json holds the loop's fastest either way
+    from ds_stpar.config import ClusterSpec, ModelSpec, TrainSpec, load_gpu
+    from ds_stpar.planner.profile import Calibration
+    from ds_stpar.planner.search import search
+
+    config = json.loads((Path(__file__).parents[1] / "bench/models/llama-4b.json").read_text())
+    path = tmp_path / "llama-4b" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({**config, "tie_word_embeddings": tied}))
+    model = ModelSpec.load(str(path))
+    assert model.tied_embeddings is tied
+    gpu = load_gpu("h100-80g", nvlink_gbs=21.0)
+    local = Calibration.load_default("h100-80g", stack="megatron-core-local")
+    every = search(
+        model, ClusterSpec(gpu, 2), TrainSpec(32768, 8), top_k=1 << 30, calibration=local
+    )
+    loop = next(
+        e
+        for e in every.top
+        if e.strategy.zero <= 2
+        and not e.strategy.vpp_layers
+        and not e.strategy.first_stage_layers
+        and (e.strategy.layout.pp == 1 or not tied)
+    )
+    assert loop.strategy.layout.pp == (1 if tied else 2)
+    argv = ["plan", "--model", str(path), "--gpus", "2", "--seq-len", "32768"]
+    argv += ["--global-batch", "8", "--nvlink-gbs", "21", "--out", str(tmp_path / "plan")]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    written = StparConfig.from_deepspeed_json(str(tmp_path / "plan" / "ds_stpar.json"))
+    assert written.home == loop.strategy
+    rule = "pp=1 (tied embeddings)" if tied else "pp >= 1 (1F1B)"
+    assert f"(megatron-core local modules, {rule}, ZeRO <= 2)" in out
 
 
 def test_failed_write_leaves_nothing(capsys, tmp_path):

@@ -11,9 +11,11 @@ referee. The DeepSpeed JSON is handed to a real ``deepspeed.initialize`` on CPU.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -597,3 +599,58 @@ def test_megatron_plan_uses_zero1_and_fp32_main_grads():
         assert mega.memory_breakdown["grads"] == pytest.approx(4 * model.num_params() / 2**30)
     text = emit.megatron_args_text(model, cluster, train, mega.strategy, prediction=mega)
     assert f"peak {mega.peak_memory_gib:.1f} of" in text
+
+
+# --------------------------------------------------------------------------------------
+# ds_stpar.json's layout: what the training loop runs as a home layout
+# --------------------------------------------------------------------------------------
+
+
+def _loop_runs(strategy: Strategy, tied: bool) -> bool:
+    """The training loop's rule for a home layout, spelled out: ZeRO <= 2, no interleaving,
+    even stages, and no pipeline when the embedding and LM head are tied."""
+    even = not strategy.first_stage_layers and not strategy.last_stage_layers
+    pipeline_ok = strategy.layout.pp == 1 or not tied
+    return strategy.zero <= 2 and not strategy.vpp_layers and even and pipeline_ok
+
+
+def test_loop_estimate_holds_a_pipeline_only_for_an_untied_model():
+    # llama-4b (36 layers, 128K vocabulary) at 32K on 2 GPUs over a 21 GB/s link, on the
+    # loop's stack: a 2-stage pipeline is the fastest layout the loop runs for an untied copy
+    # of the model; the model file ties the embedding and LM head, so its loop layout is
+    # pp = 1 and slower than that pipeline
+    from ds_stpar.planner.profile import LOCAL_STACK, Calibration
+    from ds_stpar.planner.search import search
+
+    tied = ModelSpec.load(str(Path(__file__).parents[1] / "bench/models/llama-4b.json"))
+    untied = dataclasses.replace(tied, tied_embeddings=False)
+    cluster = ClusterSpec(dataclasses.replace(H100, nvlink_gbs=21.0), 2)
+    train = TrainSpec(32768, 8)
+    cal = Calibration.load_default("h100-80g", stack=LOCAL_STACK)
+    loops = {}
+    for model in (untied, tied):
+        ranked = search(model, cluster, train, top_k=1 << 30, calibration=cal).top
+        loops[model] = emit.loop_estimate(model, cluster, train)
+        expected = next(e for e in ranked if _loop_runs(e.strategy, model.tied_embeddings))
+        assert loops[model].strategy == expected.strategy
+        assert loops[model].step_time_s == pytest.approx(expected.step_time_s, rel=1e-12)
+    assert loops[untied].strategy.layout.pp == 2
+    assert loops[tied].strategy.layout.pp == 1
+    pipeline = estimate(tied, cluster, train, loops[untied].strategy, cal)
+    assert pipeline.fits and pipeline.step_time_s < loops[tied].step_time_s
+
+
+def test_plan_files_refuse_a_tied_pipeline_home_by_reason():
+    # given only a pipeline layout of a tied model, ds_stpar.json cannot be written (the loop
+    # refuses it as its home); the same layout of an untied model is written
+    cluster, train = ClusterSpec(H100, 8), TrainSpec(2048, 64)
+    pipeline = Strategy(Layout(dp=4, pp=2), micro_batch=2, zero=1)
+    est = estimate(GPT, cluster, train, pipeline)
+    assert est.fits and GPT.tied_embeddings
+    with pytest.raises(DoesNotFitError, match="cannot tie the embedding and LM head"):
+        emit.plan_files([est], GPT, cluster, train)
+    untied = dataclasses.replace(GPT, tied_embeddings=False)
+    files = emit.plan_files([estimate(untied, cluster, train, pipeline)], untied, cluster, train)
+    section = json.loads(files["ds_stpar.json"])["ds_stpar"]
+    assert StparConfig.from_dict(section).home == pipeline
+    assert "pp >= 1 (1F1B), ZeRO <= 2" in files["plan.md"]

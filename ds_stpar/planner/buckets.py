@@ -11,7 +11,8 @@ minimising the expected step time of seqbucket/runner.py's loop::
 - ``bucket_i``: forward + backward of bucket ``i``'s packed rows under ``S_i``: the cost
   model's pipeline time (:func:`~ds_stpar.planner.cost.estimate`'s step minus its DP
   communication and optimizer, :func:`pass_seconds`) for ``m_i`` micro-batches of ``b_i``
-  rows of ``e_i`` tokens per DP rank;
+  rows of ``e_i`` tokens per DP rank; with ``pp > 1`` that is 1F1B, ``m_i`` times the slowest
+  stage plus the fill and drain once per bucket (:func:`fill_seconds`);
 - ``W``, ``G``: the switch planner's bandwidth bound (:class:`SwitchCosts`, HotSPa's
   Algorithm 1 in :mod:`~ds_stpar.seqbucket.switch`) for the ``e``-byte weights home -> ``S_i``
   before bucket ``i`` and its fp32 gradient back after it. The home layout ``S_k`` (the
@@ -51,7 +52,10 @@ flash-attention time (:func:`packed_estimate`); padding rows count 1. Unfused at
 a full ``e x e`` matrix and is left as is. The static baseline is scaled the same way.
 
 Memory, per GPU (what the runner allocates; seqbucket/runner.py), bucket by bucket in the
-order they run (:meth:`_Planner.bucket_peaks_gib`):
+order they run (:meth:`_Planner.bucket_peaks_gib`). A GPU sits on one pipeline stage of the
+home layout and, perhaps, another of a bucket's layout, so with ``pp > 1`` every term below
+is taken at its largest stage (``Psi``: the largest stage's parameters per GPU), which bounds
+the sum from above; the home bucket alone is counted at the home layout's peak stage:
 
 - always: the home layout's model states as the cost model counts them for its ZeRO stage
   (bf16 weights, gradients, fp32 master weights + Adam moments);
@@ -75,33 +79,42 @@ version did, charged the home bucket at the context with every short layout's we
 gradients; at 32K tokens that decides whether a DP layout for short rows fits beside a TP
 home at all.
 
-What the runner executes restricts the bucketed strategies to ``pp = 1`` (Megatron's pipeline
-schedules need CUDA and a Megatron loop), home ZeRO <= 2 (ZeRO-3 shards the parameters that
-the switch reads) and power-of-two micro-batches; non-home buckets hold no optimizer state
-(ZeRO 0).
+What the runner executes (:func:`runnable`) restricts the bucketed strategies to home ZeRO
+<= 2 (ZeRO-3 shards the parameters that the switch reads), pipelines in non-interleaved 1F1B
+over even stages (``vpp_layers = 0``, no uneven first/last stage), and power-of-two
+micro-batches; non-home buckets hold no optimizer state (ZeRO 0). A model that ties its
+embedding and LM head keeps its home layout at ``pp = 1``: a pipelined home would hold the
+tied weight on its first and last stage, and their partial gradients would need a sum
+across stages inside DeepSpeed's reduction. Its non-home buckets may still be pipelines: their
+gradients go home through the switch, which adds the partial copies. (Rule 13 still keeps
+ZeRO-2 off pipelines: the search and the options take ZeRO 0-1 there.)
 
 Static baseline: :func:`~ds_stpar.planner.search.search` at ``s`` for the whole step packed
 best-fit into rows of ``s``, each fitting candidate timed with its attention ratio
-(:meth:`_Planner.static`), among the strategies the training loop runs (:func:`runnable`:
-pp = 1, ZeRO 0-2; the plan is what ``launch/pretrain.py`` executes, so both sides of the
-comparison must run there). When a pipeline or ZeRO-3 layout is predicted faster, the plan's
-``note`` names it (DeepSpeed/Megatron-LM can run it as a static layout). A
+(:meth:`_Planner.static`), among the strategies the training loop runs as its home layout
+(:func:`runnable`; the plan is what ``launch/pretrain.py`` executes, so both sides of the
+comparison must run there). When a layout the loop cannot run is predicted faster (ZeRO-3,
+interleaved or uneven stages, a pipeline of a tied model), the plan's ``note`` names it and
+why (:func:`loop_refusal`; DeepSpeed/Megatron-LM can run it as a static layout). A
 bucketed plan must beat it by ``min_gain`` per bucket beyond the first (default 1%: closer
 predictions are within the cost model's error, and every bucket costs a model, memory and
 a switch); otherwise the plan IS the static layout: one bucket, no switching.
 
 Search: branch and bound over (home strategy, edge set). Per candidate edge and strategy,
-two estimates give the forward + backward time per micro-batch with no attention and with
-full-row attention; a bucket at attention ratio ``r`` is interpolated between them (exact
-while the GPU bounds the micro-batch; the cost model's host time, when it binds, makes this
-an upper bound). A lower bound per (home, edge set) sums the home bucket (its DP reduction
-bounded below at full attention) and each non-home bucket's fastest option; items are taken
-in bound order, and each is solved by enumerating non-home combinations in order of bucket
+two estimates give the forward + backward time per micro-batch (and a pipeline's fill and
+drain per pass) with no attention and with full-row attention; a bucket at attention ratio
+``r`` is interpolated between them (exact while the GPU bounds the micro-batch and, with
+``pp > 1``, one stage is the slowest at both; the cost model's host time, when it binds, or
+a change of slowest stage makes this an upper bound). A lower bound per (home, edge set)
+sums the home bucket (its DP reduction bounded below at full attention) and each non-home
+bucket's fastest option; items are taken in bound order, and each is solved by enumerating non-home combinations in order of bucket
 time (distinct models, memory, switch costs added exactly), until the bound passes the best
-plan found. Switch costs come from the real switch planner on the model's 1- and 2-layer
-versions, extrapolated linearly in the layer count (every block has the same parameters and
-placement; tests/test_buckets.py checks it against the full model). The plan reported is
-evaluated directly with the cost model (:meth:`_Planner.timing`).
+plan found. Switch costs come from the real switch planner on versions of the model with
+``L1 = lcm(pp of both layouts)`` and ``2 L1`` layers, extrapolated linearly in the layer
+count (every block has the same parameters, and every stage holds the same share of them
+as in the full model; tests/test_buckets.py checks it against the full model, pipelines
+included). The plan reported is evaluated directly with the cost model
+(:meth:`_Planner.timing`).
 """
 
 from __future__ import annotations
@@ -325,6 +338,12 @@ def pass_seconds(est: Estimate) -> float:
     return est.step_time_s - update_seconds(est)
 
 
+def fill_seconds(est: Estimate) -> float:
+    """The pipeline's fill and drain (the 1F1B bubble; 0 at pp = 1): the part of
+    :func:`pass_seconds` that does not grow with the micro-batch count."""
+    return est.time_breakdown["pp_bubble"]
+
+
 def rows_per_round(strategy: Strategy) -> int:
     """Rows one micro-batch takes over the DP ranks: ``u = dp x micro_batch``."""
     return strategy.layout.dp * strategy.micro_batch
@@ -389,8 +408,11 @@ def affine_timing(first: Estimate, second: Estimate, micro_batches: float) -> Ti
 
 class SwitchCosts:
     """Bandwidth bounds of switching between layouts of one model, from the real switch
-    planner on the model's 1- and 2-layer versions, extrapolated linearly in the layers:
-    ``t(L) = t(1) + (L - 1) (t(2) - t(1))``. Cached per placement pair."""
+    planner on two smaller versions of the model, extrapolated linearly in the layers:
+    ``t(L) = t(L1) + (L - L1) / (L2 - L1) (t(L2) - t(L1))`` with ``L1 = lcm(pp of both
+    layouts)`` and ``L2 = 2 L1``, the fewest layers every stage of both can hold evenly (so
+    each stage holds the same share of the blocks as in the full model: the per-rank bytes,
+    and with them the bound, grow linearly with the blocks). Cached per placement pair."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, weight_bytes: int) -> None:
         self.model, self.cluster, self.weight_bytes = model, cluster, weight_bytes
@@ -411,17 +433,19 @@ class SwitchCosts:
         key = (Placement.of(home, layers), Placement.of(away, layers))
         if key not in self._cache:
             tp_lcm = math.lcm(home.layout.tp, away.layout.tp)
+            base = math.lcm(home.layout.pp, away.layout.pp)
             gpu = self.cluster.gpu
             times = []
-            for n in (1, 2):
+            for n in (base, 2 * base):
                 planner = self._planner(n, tp_lcm)
                 weights = planner.weights(home, away).stats.time_bound_s(self.weight_bytes, gpu)
                 grads = planner.grads(away, home).stats.time_bound_s(GRAD_BYTES, gpu)
                 times.append((weights, grads))
             (w1, g1), (w2, g2) = times
+            scale = (layers - base) / base
             self._cache[key] = (
-                max(0.0, w1 + (layers - 1) * (w2 - w1)),
-                max(0.0, g1 + (layers - 1) * (g2 - g1)),
+                max(0.0, w1 + scale * (w2 - w1)),
+                max(0.0, g1 + scale * (g2 - g1)),
             )
         return self._cache[key]
 
@@ -564,15 +588,19 @@ class BucketPlan:
 
 @dataclass(frozen=True)
 class _Option:
-    """A ``pp = 1`` strategy at an edge: forward + backward seconds per micro-batch without
-    attention (``t0``) and with full-row attention (``t1``; the cost model is linear in the
-    attention time); active and (home) state memory in GiB; parameters per GPU; for the
-    home, the DP reduction + optimizer at full attention as ``update0 + update_slope x m``
-    (a lower bound at any smaller ratio: less backward to hide the reduction behind)."""
+    """A strategy at an edge: forward + backward seconds per micro-batch without attention
+    (``t0``) and with full-row attention (``t1``), and the pipeline's fill and drain once per
+    pass (``fill0``, ``fill1``; 0 at pp = 1), the cost model being linear in the attention
+    time (up to which stage is the slowest); active and (home) state memory in GiB;
+    parameters per GPU (its largest stage); for the home, the DP reduction + optimizer at
+    full attention as ``update0 + update_slope x m`` (a lower bound at any smaller ratio: less
+    backward to hide the reduction behind)."""
 
     strategy: Strategy
     t0: float
     t1: float
+    fill0: float
+    fill1: float
     active_gib: float
     states_gib: float
     params: float
@@ -590,7 +618,19 @@ class _Option:
         """(forward + backward seconds, micro-batches per rank, attention ratio) of a bucket."""
         m = bucket_micro_batches(stats.rows, self.strategy)
         ratio = executed_ratio(stats, m, self.strategy)
-        return m * (self.t0 + ratio * (self.t1 - self.t0)), m, ratio
+        fill = self.fill0 + ratio * (self.fill1 - self.fill0)
+        return m * (self.t0 + ratio * (self.t1 - self.t0)) + fill, m, ratio
+
+
+def _states_bytes(breakdown: dict[str, float]) -> float:
+    """Model states of one stage's memory breakdown: weights, gradients, optimizer state."""
+    return breakdown["weights"] + breakdown["grads"] + breakdown["optimizer"]
+
+
+def _active_bytes(breakdown: dict[str, float]) -> float:
+    """The rest of one stage's memory breakdown but the optimizer step's transient memory:
+    what a layout that runs no optimizer step (a non-home bucket's) adds to model states."""
+    return sum(breakdown.values()) - _states_bytes(breakdown) - breakdown["optimizer_step"]
 
 
 def away_models(chosen: Sequence[_Option], home_key: Strategy) -> list[Strategy] | None:
@@ -609,11 +649,42 @@ def away_models(chosen: Sequence[_Option], home_key: Strategy) -> list[Strategy]
     return keys
 
 
-def runnable(strategy: Strategy) -> bool:
-    """Whether ds_stpar's training loop runs ``strategy``: pp = 1 (Megatron's pipeline
-    schedules need a Megatron loop) and ZeRO 0-2 (ZeRO-3 shards the parameters that the
-    switch reads); the static baseline and every bucket are held to it."""
-    return strategy.layout.pp == 1 and strategy.zero in HOME_ZERO
+def loop_refusal(strategy: Strategy, tied_embeddings: bool, home: bool = True) -> str:
+    """Why ds_stpar's training loop cannot run ``strategy`` as a home layout (``home``: the
+    longest bucket's, and any static layout) or as another bucket's, every reason; "" when
+    it can.
+
+    The loop (seqbucket/runner.py) runs ZeRO 0-2 (ZeRO-3 shards the parameters that the switch
+    reads) and pipelines in non-interleaved 1F1B over even stages. A home pipeline must not
+    tie the embedding and LM head: their gradients are partial on the first and last stage
+    and would need a sum across stages inside DeepSpeed's reduction. A non-home pipeline may:
+    its gradients leave through the switch, which adds the partial copies."""
+    reasons = []
+    if strategy.zero not in HOME_ZERO:
+        reasons.append(f"ZeRO-{strategy.zero} shards the parameters the switch reads")
+    if strategy.vpp_layers:
+        reasons.append("its 1F1B schedule does not interleave stages (vpp_layers)")
+    if strategy.first_stage_layers or strategy.last_stage_layers:
+        reasons.append("it splits the layers evenly over the stages (uneven first/last stages)")
+    if home and tied_embeddings and strategy.layout.pp > 1:
+        reasons.append(
+            "a pipelined home layout cannot tie the embedding and LM head (their gradients "
+            "would need a sum across the first and last stage)"
+        )
+    return ", and ".join(reasons)
+
+
+def runnable(strategy: Strategy, tied_embeddings: bool, home: bool = True) -> bool:
+    """Whether ds_stpar's training loop runs ``strategy`` (:func:`loop_refusal`): ZeRO 0-2,
+    no interleaving, even stages, and pp = 1 for a home layout of a model with tied
+    embeddings; the static baseline (a home layout) and every bucket are held to it."""
+    return not loop_refusal(strategy, tied_embeddings, home)
+
+
+def loop_rule(tied_embeddings: bool) -> str:
+    """What :func:`runnable` admits as a home layout, in words (CLI and plan.md)."""
+    pipeline = "pp=1 (tied embeddings)" if tied_embeddings else "pp >= 1 (1F1B)"
+    return f"{pipeline}, ZeRO <= 2"
 
 
 MICRO_BATCH_SIZES = tuple(1 << k for k in range(int(math.log2(MAX_MICRO_BATCH)) + 1))
@@ -647,9 +718,10 @@ class _Planner:
         self.capacity = cluster.gpu.hbm_gib
         self.tokens = train.tokens_per_step
         self.base_rows = cluster.num_gpus * MAX_MICRO_BATCH  # every b x dp divides it
-        self.layouts: list[Layout] = []
+        self.tied = model.tied_embeddings
+        self.layouts: list[Layout] = []  # even stages only (runnable)
         for fam in families(model, cluster, self.tp_modes, allow):
-            if not isinstance(fam, tuple) and fam.layout.pp == 1:
+            if not isinstance(fam, tuple) and not fam.first and not fam.last:
                 if fam.layout not in self.layouts:
                     self.layouts.append(fam.layout)
         self.switch = SwitchCosts(model, cluster, self.e)
@@ -681,15 +753,16 @@ class _Planner:
         return self._evaluators[key]
 
     def timing(self, edge: int, strategy: Strategy, micro_batches: float, ratio: float) -> Timing:
-        """Exact :class:`Timing` of a ``pp = 1`` strategy (its estimates at base_rows and twice
-        that, :func:`affine_timing`)."""
+        """Exact :class:`Timing` of a strategy, pipelines included (its estimates at base_rows
+        and twice that, :func:`affine_timing`)."""
         first = self.evaluator(edge, self.base_rows, ratio).estimate(strategy)
         second = self.evaluator(edge, 2 * self.base_rows, ratio).estimate(strategy)
         return affine_timing(first, second, micro_batches)
 
     # ---- options ---------------------------------------------------------------------
     def options(self, edge: int, home: bool) -> list[_Option]:
-        """Every valid ``pp = 1`` strategy at ``edge`` that could fit, as :class:`_Option` s."""
+        """Every valid strategy at ``edge`` that the loop runs (:func:`runnable`, as the home
+        or as another bucket) and that could fit, as :class:`_Option` s."""
         out = []
         flash = self.cal.flash_attention
         for layout in self.layouts:
@@ -697,6 +770,8 @@ class _Planner:
             for zero, (sp, rc, fused) in itertools.product(zeros, knob_grid(layout, flash)):
                 for b in MICRO_BATCH_SIZES:
                     strategy = Strategy(layout, b, zero, rc, sp, fused_ring_mlp=fused)
+                    if not runnable(strategy, self.tied, home):
+                        break  # at any micro-batch
                     probe = self.train_at(edge, b * layout.dp)
                     if rules.violations(
                         self.model, self.cluster, probe, strategy, None, self.allow
@@ -709,29 +784,35 @@ class _Planner:
         return out
 
     def _option(self, edge: int, strategy: Strategy, home: bool) -> _Option | None:
+        """The option's times and memory (:class:`_Option`). Memory per GPU takes each term
+        at its largest pipeline stage (model states, parameters, activations and buffers; a
+        GPU's stage differs from layout to layout), the home's peak at its peak stage."""
         away = not home
-        _, memory = self.evaluator(edge, self.base_rows, 0.0, away).memory(strategy)
-        states = memory["weights"] + memory["grads"] + memory["optimizer"]
-        # a non-home layout runs no optimizer step: its transient memory is not counted
-        active = sum(memory.values()) - states - (0.0 if home else memory["optimizer_step"])
-        params = mem.stage_params(self.model, strategy)[0]
+        stages = self.evaluator(edge, self.base_rows, 0.0, away).stage_bytes(strategy)
+        states = max(map(_states_bytes, stages.values())) / GiB
+        if home:
+            active = max(sum(b.values()) for b in stages.values()) / GiB - states
+        else:  # a non-home layout runs no optimizer step: its transient memory is not counted
+            active = max(map(_active_bytes, stages.values())) / GiB
+        params = max(mem.stage_params(self.model, strategy))
         own = (self.e + GRAD_BYTES) * params / GiB
         if (states if home else own) + active > self.capacity:
             return None
         m = self.base_rows // rows_per_round(strategy)
         none = self.evaluator(edge, self.base_rows, 0.0, away).estimate(strategy)
         full = self.evaluator(edge, self.base_rows, 1.0, away).estimate(strategy)
-        t0, t1 = pass_seconds(none) / m, pass_seconds(full) / m
+        t0, t1 = ((pass_seconds(e) - fill_seconds(e)) / m for e in (none, full))
+        times = (t0, t1, fill_seconds(none), fill_seconds(full))
         if away:
-            _, on_home = self.evaluator(edge, self.base_rows, 0.0).memory(strategy)
-            shared = sum(on_home.values()) - states - on_home["optimizer_step"]
-            return _Option(strategy, t0, t1, active, 0.0, params, shared_active_gib=shared)
+            on_home = self.evaluator(edge, self.base_rows, 0.0).stage_bytes(strategy)
+            shared = max(map(_active_bytes, on_home.values())) / GiB
+            return _Option(strategy, *times, active, 0.0, params, shared_active_gib=shared)
         slope = 0.0
         if strategy.zero == 2:  # ZeRO-2 reduce-scatters every micro-batch
             twice = self.evaluator(edge, 2 * self.base_rows, 1.0).estimate(strategy)
             slope = (update_seconds(twice) - update_seconds(full)) / m
         update0 = update_seconds(full) - slope * m
-        return _Option(strategy, t0, t1, active, states, params, update0, slope)
+        return _Option(strategy, *times, active, states, params, update0, slope)
 
     def ranked(self, lo: int, hi: int, options: list[_Option]) -> list[tuple[float, _Option]]:
         """Non-home options for bucket ``(lo, hi]``, fastest first."""
@@ -916,7 +997,7 @@ class _Planner:
             first = self.evaluator(seq_len, rows, ratio).estimate(s)
             second = self.evaluator(seq_len, 2 * rows, ratio).estimate(s)
             timing = affine_timing(first, second, m)
-            if not runnable(s):
+            if not runnable(s, self.tied):
                 if self.unrunnable is None or timing.step_s < self.unrunnable[1]:
                     self.unrunnable = (s, timing.step_s)
                 continue
@@ -925,11 +1006,12 @@ class _Planner:
                     s, stats.rows, m, ratio, timing.step_s, timing.update_s, est.peak_memory_gib
                 )
         if best is None:
+            strategy = self.unrunnable[0]
             raise DoesNotFitError(
-                f"only pipeline-parallel or ZeRO-3 layouts of {model.name} fit {cluster.num_gpus}"
-                f" x {cluster.gpu.name} at seq {seq_len} (best: "
-                f"{self.unrunnable[0].short()}), and ds_stpar's training loop runs pp=1 "
-                "and ZeRO 0-2; train with DeepSpeed/Megatron-LM from `ds-stpar plan` without --data"
+                f"no layout of {model.name} that ds_stpar's training loop runs fits "
+                f"{cluster.num_gpus} x {cluster.gpu.name} at seq {seq_len}: the best that fits, "
+                f"{strategy.short()}, is one it cannot run ({loop_refusal(strategy, self.tied)}); "
+                "train with DeepSpeed/Megatron-LM from `ds-stpar plan` without --data"
             )
         return best
 
@@ -950,7 +1032,8 @@ class _Planner:
             strategy, step_s = self.unrunnable
             common["note"] = (
                 f"{strategy.short()} is predicted faster as a static layout ({step_s:.3f} s "
-                "per step), but ds_stpar's training loop runs pp=1 and ZeRO 0-2 only"
+                "per step), but ds_stpar's training loop cannot run it: "
+                + loop_refusal(strategy, self.tied)
             )
         if found is None:  # the static layout: one bucket, no switch
             stats = self.stats(0, seq_len)

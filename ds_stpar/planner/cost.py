@@ -642,6 +642,7 @@ class Evaluator:
         self.speed = Speed(cluster.gpu, self.cal, cluster.profile, mem.element_bytes(train))
         self._blocks: dict[tuple, BlockCost] = {}
         self._memory: dict[Strategy, tuple[int, dict[str, float]]] = {}
+        self._stages: dict[Strategy, dict[int, dict[str, float]]] = {}
         self.activations = mem.layer_activations(
             model, train.seq_len, self.speed.e, self.cal.flash_attention, self.cal.local
         )
@@ -663,13 +664,22 @@ class Evaluator:
             cost = self._blocks[key] = block_cost(ctx)
         return cost
 
+    def stage_bytes(self, strategy: Strategy) -> dict[int, dict[str, float]]:
+        """Memory breakdown in bytes of one GPU of each :func:`distinct_stages` stage, by
+        stage: every maximum over stages is reached on one of them."""
+        cached = self._stages.get(strategy)
+        if cached is None:
+            ctx = _Context(self, strategy)
+            psis = mem.stage_params(self.model, strategy)
+            cached = {i: stage_memory(ctx, i, psis[i]) for i in distinct_stages(ctx.p)}
+            self._stages[strategy] = cached
+        return cached
+
     def memory(self, strategy: Strategy) -> tuple[int, dict[str, float]]:
         """(peak stage, its memory breakdown in GiB): the cheap half of an estimate."""
         cached = self._memory.get(strategy)
         if cached is None:
-            ctx = _Context(self, strategy)
-            psis = mem.stage_params(self.model, strategy)
-            stages = {i: stage_memory(ctx, i, psis[i]) for i in distinct_stages(ctx.p)}
+            stages = self.stage_bytes(strategy)
             peak = max(stages, key=lambda i: sum(stages[i].values()))
             cached = self._memory[strategy] = (peak, {k: v / GiB for k, v in stages[peak].items()})
         return cached

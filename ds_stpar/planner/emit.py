@@ -761,16 +761,28 @@ def loop_estimate(
     allow_tp_across_nodes: bool | None = None,
 ) -> Estimate | None:
     """The fastest fitting strategy of ds_stpar's training loop, for ds_stpar.json (``None``
-    if none fits): ``launch/pretrain.py`` and ``StparTrainer`` run ``pp = 1`` and ZeRO 0-2
-    only (:func:`~ds_stpar.planner.buckets.runnable`), on megatron-core's local modules, so
-    the search is redone with that stack's calibration (``megatron-core-local``: its times and
-    memory, within 1% of the allocation measured on H100, where the published Megatron-LM
-    stack that ``plan`` ranks for under-counts) and a pipeline or ZeRO-3 layout ranked first
-    goes to megatron_args.txt and plan.md, not to the file the loop reads."""
+    if none fits): ``launch/pretrain.py`` runs it as a home layout
+    (:func:`~ds_stpar.planner.buckets.runnable`: ZeRO 0-2, pipelines in non-interleaved 1F1B
+    over even stages, and pp = 1 when the model ties its embedding and LM head; ``StparTrainer``
+    runs transformers models without pipelines and refuses a pp > 1 plan), on
+    megatron-core's local modules, so the search is redone with that stack's calibration
+    (``megatron-core-local``: its times and memory, within 1% of the allocation measured on
+    H100, where the published Megatron-LM stack that ``plan`` ranks for under-counts) and a
+    layout ranked first that the loop cannot run (ZeRO-3, interleaved or uneven stages, a
+    pipeline of a tied model) goes to megatron_args.txt and plan.md, not to the file the loop
+    reads."""
     from ds_stpar.planner.buckets import runnable
 
     cal = Calibration.load_default(cluster.gpu.name, stack=LOCAL_STACK)
-    return _fastest(model, cluster, train, tp_modes, allow_tp_across_nodes, runnable, cal)
+    return _fastest(
+        model,
+        cluster,
+        train,
+        tp_modes,
+        allow_tp_across_nodes,
+        lambda s: runnable(s, model.tied_embeddings),
+        cal,
+    )
 
 
 def bucketed_deepspeed_config(
@@ -830,26 +842,28 @@ def plan_files(
     loop: Estimate | None = None,
 ) -> dict[str, str]:
     """The contents of the three plan files: ds_stpar.json for ``loop`` (the CLI passes
-    :func:`loop_estimate`; default: the first fitting ``pp = 1``, ZeRO <= 2 estimate of
-    ``result``, what the training loop runs) or, given ``buckets``, the bucketed plan
-    (:func:`bucketed_deepspeed_config`),
+    :func:`loop_estimate`; default: the first fitting estimate of ``result`` that the training
+    loop runs, :func:`~ds_stpar.planner.buckets.runnable`) or, given ``buckets``, the
+    bucketed plan (:func:`bucketed_deepspeed_config`),
     megatron_args.txt for :func:`megatron_estimate`'s (the best one with ZeRO capped at 1
     and a "does NOT fit" warning when nothing fits Megatron-LM; Megatron-LM has no buckets),
     plan.md for all of ``result`` and the buckets."""
+    from ds_stpar.planner.buckets import loop_refusal, loop_rule, runnable
+
     top = result.top if isinstance(result, SearchResult) else list(result)
     fitting = [e for e in top if e.fits]
     if not fitting:
         raise DoesNotFitError(f"no layout of {model.name} fits; nothing to write")
     best = fitting[0]
+    tied = model.tied_embeddings
     if buckets is None:
         if loop is None:
-            from ds_stpar.planner.buckets import runnable
-
-            loop = next((e for e in fitting if runnable(e.strategy)), None)
+            loop = next((e for e in fitting if runnable(e.strategy, tied)), None)
         if loop is None:
             raise DoesNotFitError(
-                f"only pipeline-parallel or ZeRO-3 layouts of {model.name} fit (best: "
-                f"{best.strategy.short()}), and launch/pretrain.py runs pp=1 and ZeRO 0-2; "
+                f"no layout of {model.name} that launch/pretrain.py runs fits: the best, "
+                f"{best.strategy.short()}, is one it cannot run "
+                f"({loop_refusal(best.strategy, tied)}); "
                 "train with Megatron-LM or DeepSpeed from the ranking"
             )
     if buckets is not None:
@@ -875,7 +889,7 @@ def plan_files(
         )
         ds_label = (
             f"{loop.strategy.short()} (DeepSpeed): {loop.step_time_s:.3f} s, "
-            f"{loop.peak_memory_gib:.1f} GiB for the {loop.stack} stack, pp=1, ZeRO <= 2"
+            f"{loop.peak_memory_gib:.1f} GiB for the {loop.stack} stack, {loop_rule(tied)}"
             + (", ranked 1" if loop.strategy == best.strategy else "")
         )
     mega = megatron_estimate(
