@@ -15,6 +15,10 @@ for the same model, corpus, context and tokens per step:
   whose short edge is at least ``--edge``, even when it is predicted slower than static -- it
   checks the prediction where bucketing does not pay.
 
+``--config NAME=PATH`` (repeatable) adds a plan written earlier (a ds_stpar.json, e.g. by
+another version of the planner or with other options), run and reported like the others from
+the prediction it records (``extra.predicted``).
+
 Each plan runs ``--steps`` optimizer steps through the DeepSpeed launcher (``--num_gpus``, or
 ``--launcher-args`` to pick GPUs and a port for a second run beside the first) on the same corpus
 (``--stdlib-files`` of the Python standard library, written once as JSON lines; or ``--data``).
@@ -76,6 +80,31 @@ def make_plan(name: str, cmd: list[str], out: str) -> dict:
     report = json.loads(result.stdout)["buckets"]
     report["config"] = os.path.join(folder, "ds_stpar.json")
     return report
+
+
+def config_report(path: str) -> dict:
+    """The bucket report of a ds_stpar.json written by ``ds-stpar plan --out``: its buckets'
+    edges and strategies and the prediction it records."""
+    from ds_stpar.config import Strategy
+
+    with open(path) as handle:
+        section = json.load(handle)["ds_stpar"]
+    predicted = section["extra"]["predicted"]
+    buckets = [
+        {
+            "edge": b["max_len"],
+            "short": Strategy.from_dict(b["strategy"]).short(),
+            "peak_memory_gib": p["peak_memory_gib"],
+        }
+        for b, p in zip(section["buckets"], predicted["buckets"], strict=True)
+    ]
+    return {
+        "config": path,
+        "edges": [b["edge"] for b in buckets],
+        "bucketed_step_s": predicted["step_time_s"],
+        "switch_s": predicted["switch_s"],
+        "buckets": buckets,
+    }
 
 
 def layouts(report: dict) -> str:
@@ -167,6 +196,13 @@ def main(argv: list[str] | None = None) -> None:
         help="'bytes' or a tokenizer.json (bench/bpe_tokenizer.py), for the plans and the runs",
     )
     parser.add_argument("--plans", default="static,planned,bucketed")
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="also run this ds_stpar.json as plan NAME (repeatable)",
+    )
     parser.add_argument("--label", default="nvlink")
     parser.add_argument(
         "--launcher-args",
@@ -189,6 +225,9 @@ def main(argv: list[str] | None = None) -> None:
     for name, cmd in plan_commands(args, corpus, gpu).items():
         if name in wanted:
             reports[name] = make_plan(name, cmd, args.out)
+    for item in args.config:
+        name, _, path = item.partition("=")
+        reports[name] = config_report(path)
     if "planned" in reports and "static" in reports:
         if reports["planned"]["edges"] == reports["static"]["edges"]:
             del reports["planned"]  # the planner chose the static layout: nothing new to run
