@@ -261,6 +261,7 @@ def step_flops(model: ModelSpec, plan: MiniBatchPlan) -> float:
 
 
 def metrics_row(step: int, stats, flops: float, world: int, gpu: str, lr: float) -> dict:
+    """One line of metrics.jsonl (collective on GPU: ``peak_gib`` is the maximum over ranks)."""
     row = {"step": step, "mini_batch": stats.index, **stats.to_dict()}
     row.pop("index")
     row["tokens"] = row.pop("num_tokens")
@@ -271,8 +272,18 @@ def metrics_row(step: int, stats, flops: float, world: int, gpu: str, lr: float)
     cuda = torch.cuda.is_available()
     row["mfu"] = row["tflops"] / peak if cuda and peak else None
     row["lr"] = lr
-    row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    row["peak_gib"] = _peak_gib_over_ranks() if cuda else None
     return row
+
+
+def _peak_gib_over_ranks() -> float:
+    """The largest peak of allocated GPU memory of any rank (collective): pipeline stages,
+    and layouts that place a parameter on some ranks only, differ, and the plan must fit on
+    the fullest GPU."""
+    peak = torch.tensor(float(torch.cuda.max_memory_allocated()), device="cuda")
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+    return peak.item() / 2**30
 
 
 def _write_atomic(path: Path, text: str) -> None:
