@@ -53,6 +53,17 @@ def _check_positive(obj: Any, *names: str) -> None:
             )
 
 
+def _hf_model_name(config: dict, path: str) -> str:
+    """A HF config's model name: its ``_name_or_path``, else the folder of a ``config.json``
+    (a model's own folder), else the file's stem (``bench/models/llama-4b.json``)."""
+    if config.get("_name_or_path"):
+        return str(config["_name_or_path"])
+    path = os.path.abspath(path)
+    if os.path.basename(path) == "config.json":
+        return os.path.basename(os.path.dirname(path))
+    return os.path.splitext(os.path.basename(path))[0]
+
+
 def _from_dict(cls: type, data: dict, where: str):
     """Build dataclass ``cls`` from ``data``, rejecting unknown keys by name."""
     known = {f.name for f in dataclasses.fields(cls)}
@@ -252,9 +263,7 @@ class ModelSpec:
             if not isinstance(data, dict):
                 raise ConfigError(f"{spec}: a model JSON must be an object")
             if "model_type" in data:
-                return cls.from_hf_config(
-                    data, os.path.basename(os.path.dirname(os.path.abspath(spec))) or spec
-                )
+                return cls.from_hf_config(data, _hf_model_name(data, spec))
             data.setdefault("name", os.path.splitext(os.path.basename(spec))[0])
             return _from_dict(cls, data, spec)
         raise ConfigError(

@@ -57,6 +57,21 @@ def test_hf_llama_config(tmp_path):
     assert ModelSpec.load(str(path)).num_params() == MODEL_PRESETS["llama3-8b"].num_params()
 
 
+def test_hf_config_names(tmp_path):
+    """A model folder's config.json is named by its folder, a loose file by its stem, and
+    ``_name_or_path`` wins over both."""
+    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128}
+    cfg |= {"num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 256}
+    folder = tmp_path / "Llama-tiny"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "llama-small.json").write_text(json.dumps(cfg))
+    (tmp_path / "named.json").write_text(json.dumps(cfg | {"_name_or_path": "org/model"}))
+    assert ModelSpec.load(str(folder / "config.json")).name == "Llama-tiny"
+    assert ModelSpec.load(str(tmp_path / "llama-small.json")).name == "llama-small"
+    assert ModelSpec.load(str(tmp_path / "named.json")).name == "org/model"
+
+
 def test_hf_gpt2_config():
     cfg = {
         "model_type": "gpt2",
