@@ -136,3 +136,16 @@ def test_selective_recompute_is_refused_with_one_line() -> None:
     cfg = StparConfig(ModelSpec("m", 2, 32, 4, vocab_size=64), TrainSpec(32, 4), (bucket,))
     with pytest.raises(ConfigError, match="bucket 32: selective recompute is megatron-core's"):
         _check_plan(cfg)
+
+
+def test_pipeline_layouts_are_refused_with_one_line() -> None:
+    # transformers models are not split into pipeline stages here (launch/pretrain.py runs
+    # pipelined megatron-core models): refused before any model is sharded
+    from ds_stpar.config import Bucket, Layout, ModelSpec, StparConfig, Strategy, TrainSpec
+    from ds_stpar.errors import ConfigError
+    from ds_stpar.integrations.hf_trainer import _check_plan
+
+    bucket = Bucket(32, Strategy(Layout(pp=2)))
+    cfg = StparConfig(ModelSpec("m", 2, 32, 4, vocab_size=64), TrainSpec(32, 4), (bucket,))
+    with pytest.raises(ConfigError, match="bucket 32: pp=2; a transformers model runs without"):
+        _check_plan(cfg)

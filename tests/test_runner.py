@@ -390,11 +390,10 @@ def _check_pipelines(docs, cache, rank: int, edges) -> None:
     """Pipelined homes on 4 ranks: TP ring x PP (the hidden state crosses stages split by
     sequence parallelism) and PP4 over 4 layers (1F1B warm-up of 3 forwards on stage 0)."""
     four = dataclasses.replace(UNTIED, num_layers=4)
-    for what, layouts, model in (
-        ("dp4 -> tp2 ring x pp2 home, ZeRO 1", (DP4, RING2_PP2), UNTIED),
-        ("dp4 -> pp4 home, 4 layers, ZeRO 2", (DP4, PP4), four),
+    for what, layouts, model, zero in (
+        ("dp4 -> tp2 ring x pp2 home, ZeRO 1", (DP4, RING2_PP2), UNTIED, 1),
+        ("dp4 -> pp4 home, 4 layers, ZeRO 2", (DP4, PP4), four, 2),
     ):
-        zero = 2 if "ZeRO 2" in what else 1
         cfg = _config(layouts, zero, model=model, edges=edges)
         model, runner = _setup(cfg, _ds_config(zero), cache, docs)
         _check_against_reference(what, cfg, model, runner, docs, cache, rank, 1024, True)

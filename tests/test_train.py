@@ -120,6 +120,11 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
     cfg = json.loads(TINY.read_text())
     cfg["ds_stpar"]["buckets"][1]["strategy"]["layout"] = {"dp": 1, "tp": 1, "pp": 2}
     pp2.write_text(json.dumps(cfg))
+    vpp = tmp_path / "vpp.json"
+    cfg = json.loads(TINY.read_text())
+    short = cfg["ds_stpar"]["buckets"][0]["strategy"]
+    short["layout"], short["vpp_layers"] = {"dp": 1, "tp": 1, "pp": 2}, 1
+    vpp.write_text(json.dumps(cfg))
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     no_text = tmp_path / "no_text.jsonl"
@@ -131,6 +136,7 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["--config", str(no_section)], 'no "ds_stpar" section'),
         (["--config", str(zero3)], "ZeRO stage 3 is not supported"),
         (["--config", str(pp2)], "pp=2 with tied embeddings"),
+        (["--config", str(vpp)], "bucket 128: interleaved pipeline stages (vpp_layers=1)"),
         (["--config", tiny, "--data", str(tmp_path / "nope")], "nope: no such file or folder"),
         (["--config", tiny, "--tokenizer", str(tmp_path / "tok.json")], "no such tokenizer"),
         (["--config", tiny, "--load", str(tmp_path)], "no checkpoint here"),

@@ -94,6 +94,7 @@ from ds_stpar.seqbucket.sampler import BucketPlan, MicroBatch, MiniBatchPlan
 from ds_stpar.seqbucket.shards import (
     ParamSpec,
     Placement,
+    described_layers,
     local_shape,
     param_stages,
     tp_pieces,
@@ -222,7 +223,7 @@ def check_local_shapes(
     """Every layout's model holds exactly the described parameters its pipeline stage owns,
     each of the local shape its descriptor gives under that layout (what switching will write
     into it)."""
-    num_layers = 1 + max((s.layer for s in specs.values() if s.layer is not None), default=-1)
+    num_layers = described_layers(specs)
     for key, model in models.items():
         params = model.described(model.params)
         placement = Placement.of(key, num_layers)
@@ -498,10 +499,7 @@ class BucketRunner:
         self.device = next(self.home.module.parameters()).device
         self.specs = dict(specs) if specs is not None else param_specs(models, tied_embeddings)
         check_local_shapes(self.models, self.specs)
-        num_layers = 1 + max(
-            (s.layer for s in self.specs.values() if s.layer is not None), default=-1
-        )
-        self.planner = SwitchPlanner(self.specs, gpus_per_node, num_layers)
+        self.planner = SwitchPlanner(self.specs, gpus_per_node)
         self.away = {k: _AwayModel(m.params) for k, m in self.models.items() if k != self.home_key}
         self.carry: dict[str, Tensor] | None = None  # allocated by the first carry of a step
         self._weight_round = (

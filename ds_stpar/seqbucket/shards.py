@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -203,6 +203,12 @@ class Placement:
             stages = tuple(s for s, n in enumerate(counts) for _ in range(n))
         sp = strategy.sequence_parallel or (layout.tp > 1 and layout.tp_mode != "megatron")
         return cls(layout, stages, sp and layout.tp > 1)
+
+
+def described_layers(specs: Mapping[str, ParamSpec]) -> int:
+    """Transformer layers the descriptors place (one past the highest layer index; 0 for
+    none)."""
+    return 1 + max((s.layer for s in specs.values() if s.layer is not None), default=-1)
 
 
 def param_stages(spec: ParamSpec, placement: Placement) -> tuple[int, ...]:

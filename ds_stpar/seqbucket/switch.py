@@ -97,6 +97,7 @@ from ds_stpar.seqbucket.shards import (
     ParamSpec,
     Placement,
     box_numel,
+    described_layers,
     grad_class,
     intersect,
     local_shape,
@@ -392,8 +393,7 @@ class SwitchPlanner:
         self.specs = dict(specs)
         self.gpus_per_node = gpus_per_node
         self.min_slab = max(1, min_slab)
-        layers = [s.layer for s in self.specs.values() if s.layer is not None]
-        self.num_layers = (max(layers) + 1 if layers else 0) if num_layers is None else num_layers
+        self.num_layers = described_layers(self.specs) if num_layers is None else num_layers
         self._cache: dict[tuple, SwitchPlan] = {}
 
     def placement(self, strategy: Strategy | Layout) -> Placement:
