@@ -393,7 +393,7 @@ def test_pipeline_timing_is_affine_in_micro_batches():
         for o in planner.options(4096, home=False)
         if o.strategy == Strategy(Layout(pp=2), micro_batch=1, zero=0)
     )
-    stats = planner.stats(0, 4096)  # one 4096-token document per row: attention ratio 1
+    stats = planner.stats((4096,))[0]  # one 4096-token document per row: attention ratio 1
     seconds, m, ratio = option.seconds(stats)
     assert ratio == 1.0 and m == pytest.approx(STEP8.tokens_per_step / 4096, rel=REL)
     assert seconds == pytest.approx(planner.timing(4096, option.strategy, m, 1.0).pass_s, rel=REL)
@@ -448,16 +448,53 @@ def test_min_buckets_gives_the_best_bucketed_plan_even_where_static_wins(skewed_
 def test_packing_is_measured_with_best_fit():
     # 600-token documents: best fit puts one per 1024-token row (two would need 1200)
     pieces = bk.Pieces.of(np.full(100, 600), SEQ)
-    stats = bk.pack_stats(pieces, 0, 1024, tokens_per_step=60_000)
+    (stats,) = bk.pack_stats(pieces, (1024,), tokens_per_step=60_000)
     assert stats.efficiency == pytest.approx(600 / 1024, rel=REL)
     assert stats.attention_ratio == pytest.approx((600**2 + 424**2) / 1024**2, rel=REL)
     # 300-token documents, 200 per step (60,000 / 300): 66 rows of three, one of two
     pieces = bk.Pieces.of(np.full(100, 300), SEQ)
-    stats = bk.pack_stats(pieces, 0, 1024, tokens_per_step=60_000)
+    (stats,) = bk.pack_stats(pieces, (1024,), tokens_per_step=60_000)
     assert stats.efficiency == pytest.approx(60_000 / (67 * 1024), rel=REL)
     square = 66 * (3 * 300**2 + 124**2) + (2 * 300**2 + 424**2)
     assert stats.attention_ratio == pytest.approx(square / (67 * 1024**2), rel=REL)
     assert stats.rows == pytest.approx(67, rel=REL)
+
+
+def test_short_pieces_fill_the_long_rows_gaps():
+    # 24K-token documents leave 8K of every 32K row; 1K-token documents (half the tokens)
+    # fill those gaps before opening 1K rows: the long rows come out full, and the short
+    # bucket keeps the rest of its tokens. Only the filling is drawn, the totals are exact.
+    long, short = 24 * 1024, 1024
+    lengths = np.array([long] * 100 + [short] * 2400)
+    pieces = bk.Pieces.of(lengths, SEQ)
+    low, high = bk.pack_stats(pieces, (short, SEQ), tokens_per_step=1 << 20)
+    assert low.tokens_per_step + high.tokens_per_step == pytest.approx(1 << 20, rel=REL)
+    assert high.efficiency > 0.99 and low.efficiency == 1.0  # draws with few shorts: < 1
+    # a long row takes 8 of the shorts: its tokens are 32/24 of the long pieces'
+    assert high.tokens_per_step == pytest.approx((1 << 19) * SEQ / long, rel=0.01)
+    assert high.rows == pytest.approx((1 << 19) / long, rel=0.01)
+    # each bucket alone: the long rows 75% full, and every short piece in a short row
+    (alone,) = bk.pack_stats(bk.Pieces.of(lengths[:100], SEQ), (SEQ,), 1 << 19)
+    assert alone.efficiency == pytest.approx(0.75, rel=REL)
+    assert low.rows < (1 << 19) / short
+
+
+def test_planned_rows_are_what_the_sampler_packs():
+    # the planner's expected rows per step against the sampler's own packing of a whole
+    # epoch: both draw steps of the same skewed lengths, within 3% (an epoch of ~75 steps
+    # and 8,192 drawn pieces: the row counts' sampling error is about 1%)
+    from ds_stpar.config import Bucket
+    from ds_stpar.seqbucket.sampler import BucketSampler
+
+    rng = np.random.default_rng(3)
+    lengths = np.minimum(rng.lognormal(7.5, 1.4, 20_000).astype(np.int64) + 1, 3 * 8192)
+    edges, step = (1024, 4096, 8192), 1 << 19
+    stats = bk.pack_stats(bk.Pieces.of(lengths, 8192), edges, step)
+    sampler = BucketSampler(lengths, [Bucket(e, Strategy(Layout())) for e in edges], step)
+    plans = list(sampler)[:-1]  # the last mini-batch of the epoch is short
+    for k, st in enumerate(stats):
+        rows = np.mean([sum(len(mb.rows) for mb in p.buckets[k].ranks[0]) for p in plans])
+        assert st.rows == pytest.approx(rows, rel=0.03), (st.hi, st.rows, rows)
 
 
 def test_attention_ratio_scales_flash_attention_only():

@@ -20,7 +20,7 @@ from ds_stpar.errors import ConfigError, DataError
 from ds_stpar.seqbucket.corpus import stdlib_corpus
 from ds_stpar.seqbucket.data import Documents
 from ds_stpar.seqbucket.lengths import bucket_histogram
-from ds_stpar.seqbucket.packing import IGNORE_INDEX, Piece, RowPlan, collate, pack_best_fit
+from ds_stpar.seqbucket.packing import IGNORE_INDEX, Piece, RowPlan, collate, pack_buckets
 from ds_stpar.seqbucket.sampler import BucketSampler, RowCost, balance_rows
 from ds_stpar.seqbucket.tokenize import BYTE_EOS_ID, BYTE_PAD_ID, ByteTokenizer, tokenize_dataset
 from tests.distributed import run_workers
@@ -43,11 +43,17 @@ def synthetic_lengths(n=3000, seed=0):
     return np.clip(rng.lognormal(5.0, 1.3, n).astype(np.int64), 0, 20_000)
 
 
+def _own_edge(piece, edges):
+    """The smallest bucket edge that holds ``piece``: the bucket whose rows it may open."""
+    return next(e for e in edges if piece.length <= e)
+
+
 def test_every_token_of_every_document_used_exactly_once(corpus):
     texts, docs = corpus
     sampler = BucketSampler(docs.lengths, BUCKETS, global_batch_tokens=1 << 17, seed=7)
     seen = defaultdict(list)  # doc -> [(start, tokens, labels)]
-    per_bucket = np.zeros(len(BUCKETS), dtype=np.int64)
+    per_bucket = np.zeros(len(BUCKETS), dtype=np.int64)  # pieces by their own bucket
+    fillers = 0  # pieces in the rows of a longer bucket
     plans = list(sampler)
     assert sampler.epoch == 1 and len(plans) >= math.ceil(docs.num_tokens / (1 << 17))
     # greedy cut: a mini-batch closes only when the next piece (<= 4096 tokens) would overflow
@@ -66,11 +72,13 @@ def test_every_token_of_every_document_used_exactly_once(corpus):
                     if mb.is_padding:
                         assert (batch.labels == IGNORE_INDEX).all()
                     for row in batch.rows:
+                        own = [sampler.edges.index(_own_edge(p, sampler.edges)) for p in row.pieces]
+                        # a row is opened by a piece of its bucket; shorter pieces fill its gaps
+                        assert not own or max(own) == b
                         for k, piece in enumerate(row.pieces):
                             lo, hi = int(row.cu_seqlens[k]), int(row.cu_seqlens[k + 1])
-                            smallest = next(e for e in sampler.edges if piece.length <= e)
-                            assert bucket.edge == smallest
-                            per_bucket[b] += 1
+                            per_bucket[own[k]] += 1
+                            fillers += own[k] < b
                             seen[piece.doc].append(
                                 (
                                     piece.start,
@@ -91,6 +99,7 @@ def test_every_token_of_every_document_used_exactly_once(corpus):
         split += len(pieces) > 1
     assert split > 50  # the corpus's long tail really was cut (and nothing dropped)
     assert per_bucket.tolist() == bucket_histogram(docs.lengths, sampler.edges).pieces.tolist()
+    assert fillers > 50  # short pieces really did fill the long rows' gaps
     total_targets = sum(p.num_targets for p in plans)
     assert total_targets == docs.num_tokens - len(texts)  # n - 1 targets per document
 
@@ -154,13 +163,18 @@ def test_dp_ranks_balanced_equal_counts_no_row_dropped(cost):
                 per_rank = math.ceil(len(rows) / len(bucket.ranks))
                 assert bucket.num_micro_batches == math.ceil(per_rank / bucket.strategy.micro_batch)
 
-            # the rows are the best-fit packing of this bucket's pieces (up to swapping pieces
-            # of equal length, which input order decides)
-            def shape(rows):
-                return sorted(sorted(p.length for p in row.pieces) for row in rows)
+        # the rows are the bucketed best-fit packing of the mini-batch's pieces (up to
+        # swapping pieces of equal length, which input order decides)
+        def shape(rows):
+            return sorted(sorted(p.length for p in row.pieces) for row in rows)
 
-            pieces = [p for row in rows for p in row.pieces]
-            assert shape(rows) == shape(pack_best_fit(pieces, bucket.edge))
+        pieces = [
+            p for b in plan.buckets for r in b.ranks for mb in r for w in mb.rows for p in w.pieces
+        ]
+        packed = pack_buckets(pieces, sampler.edges)
+        for bucket, rows in zip(plan.buckets, packed):
+            real = [row for rank in bucket.ranks for mb in rank for row in mb.rows if row.pieces]
+            assert shape(real) == shape(rows)
         assert len(_piece_multiset(plan)) == len(set(_piece_multiset(plan)))
 
 
@@ -249,6 +263,7 @@ def _count_and_loss_worker(rank, world_size, lengths, vocab):
 
     # the bucket with dp=2: local losses / N summed over ranks == that bucket's token mean
     bucket = plan.buckets[0]
+    assert bucket.num_micro_batches > 0
     g = groups.get(bucket.strategy.layout)
     n = all_reduce_num_targets(
         sum(
@@ -272,5 +287,6 @@ def _count_and_loss_worker(rank, world_size, lengths, vocab):
 
 @pytest.mark.dist
 def test_all_reduced_target_count_and_loss_over_ranks():
-    lengths = np.random.default_rng(2).integers(1, 300, 40)
+    rng = np.random.default_rng(2)  # more short pieces than the long rows' gaps take
+    lengths = rng.permutation(np.concatenate([rng.integers(1, 64, 40), rng.integers(200, 300, 10)]))
     run_workers(_count_and_loss_worker, 2, lengths, 17)

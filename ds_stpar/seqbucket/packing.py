@@ -1,10 +1,14 @@
 """Best-fit-decreasing packing with document boundaries kept.
 
 A :class:`Piece` is a document or a chunk of one (documents longer than the context are cut
-by :func:`~ds_stpar.seqbucket.lengths.split_lengths`, never dropped or truncated). Inside a
-bucket, pieces are packed best-fit-decreasing (Ding et al. 2024, "Fewer truncations improve
-language modeling") into rows of at most ``edge`` tokens: longest piece first, each into the
-open row with the least room that still holds it, else a new row.
+by :func:`~ds_stpar.seqbucket.lengths.split_lengths`, never dropped or truncated). Pieces are
+packed best-fit-decreasing (Ding et al. 2024, "Fewer truncations improve language modeling"):
+longest piece first, each into the open row with the least room that still holds it, else a
+new row. With buckets (:func:`pack_buckets`) a new row gets the edge of the piece's own bucket
+(the smallest edge that holds it) as its length, and a piece may also fill the room left in a
+longer bucket's row: a short document in the gap of a long row costs what the pad tokens it
+replaces cost, while packing each bucket alone leaves that gap padded and runs the short
+document in a row of its own.
 
 A packed row of length ``T`` (the bucket edge) is a sequence of segments, one per piece,
 then one pad segment when the pieces leave room::
@@ -70,28 +74,47 @@ class RowPlan:
         return sum(p.num_targets for p in self.pieces)
 
 
-def pack_best_fit(pieces: Sequence[Piece], budget: int) -> list[RowPlan]:
-    """Best-fit-decreasing: rows of ``budget`` tokens holding every piece exactly once.
+def pack_buckets(pieces: Sequence[Piece], edges: Sequence[int]) -> list[list[RowPlan]]:
+    """Best-fit-decreasing over buckets: ``rows[k]`` are rows of ``edges[k]`` tokens (edges
+    strictly increasing), every piece in exactly one row.
 
-    Deterministic: ties in length keep input order; ties in room go to the oldest row.
-    ``O(P log P + P * R)`` for ``P`` pieces and ``R`` rows (the insert into the sorted list
-    of free room is a memmove).
+    A piece of ``l`` tokens opens a row of the smallest edge ``>= l`` only when no open row,
+    of any bucket, has room for it. Pieces come longest first, so every row a piece could
+    join belongs to its own bucket or a longer one, and the rows opened per bucket are as
+    many as packing the bucket's pieces alone would leave after the shorter pieces already
+    went into the gaps of longer rows. Deterministic: ties in length keep input order; ties
+    in room go to the oldest row. ``O(P log P + P * R)`` for ``P`` pieces and ``R`` rows (the
+    insert into the sorted list of free room is a memmove).
     """
+    edges = [int(e) for e in edges]
+    if not edges or any(a >= b for a, b in zip(edges, edges[1:])):
+        raise ValueError(f"bucket edges must be strictly increasing, got {edges}")
     rows: list[list[Piece]] = []
+    bucket: list[int] = []  # bucket index of each row
     free: list[tuple[int, int]] = []  # (room left, row index), sorted
     for piece in sorted(pieces, key=lambda p: -p.length):
-        if not 0 < piece.length <= budget:
-            raise ValueError(f"piece of {piece.length} tokens does not fit a {budget}-token row")
+        if not 0 < piece.length <= edges[-1]:
+            raise ValueError(f"piece of {piece.length} tokens does not fit a {edges[-1]}-token row")
         k = bisect.bisect_left(free, (piece.length, -1))
         if k < len(free):
             room, row = free.pop(k)
         else:
-            room, row = budget, len(rows)
+            own = bisect.bisect_left(edges, piece.length)
+            room, row = edges[own], len(rows)
             rows.append([])
+            bucket.append(own)
         rows[row].append(piece)
         if room > piece.length:
             bisect.insort(free, (room - piece.length, row))
-    return [RowPlan(budget, tuple(row)) for row in rows]
+    out: list[list[RowPlan]] = [[] for _ in edges]
+    for row, k in zip(rows, bucket):
+        out[k].append(RowPlan(edges[k], tuple(row)))
+    return out
+
+
+def pack_best_fit(pieces: Sequence[Piece], budget: int) -> list[RowPlan]:
+    """Best-fit-decreasing into rows of ``budget`` tokens: one bucket of :func:`pack_buckets`."""
+    return pack_buckets(pieces, (budget,))[0]
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,11 @@ exactly once; the last mini-batch of an epoch may be smaller.
 Per mini-batch (:meth:`BucketSampler.plan`, a pure function of the epoch and the index, so
 every rank computes the same plan with no communication):
 
-1. each piece goes to the bucket whose edge is the smallest ``>=`` its length;
-2. pieces are packed best-fit-decreasing into rows of ``edge`` tokens
-   (:func:`~ds_stpar.seqbucket.packing.pack_best_fit`);
+1. a piece's own bucket is the one whose edge is the smallest ``>=`` its length;
+2. the pieces are packed best-fit-decreasing into rows of their bucket's edge, a shorter
+   bucket's piece also filling the room left in a longer bucket's row
+   (:func:`~ds_stpar.seqbucket.packing.pack_buckets`): it then runs under that bucket's
+   layout, in place of pad tokens;
 3. rows are dealt to the bucket strategy's ``dp`` ranks by predicted cost
    (:func:`balance_rows`) and grouped into micro-batches of ``strategy.micro_batch`` rows; a
    rank short of rows gets padding rows (all PAD, every label -100: zero weight), so every
@@ -32,8 +34,8 @@ import numpy as np
 
 from ds_stpar.config import Bucket, Strategy
 from ds_stpar.errors import ConfigError, DataError
-from ds_stpar.seqbucket.lengths import bucket_index, check_edges, split_lengths
-from ds_stpar.seqbucket.packing import Piece, RowPlan, pack_best_fit
+from ds_stpar.seqbucket.lengths import check_edges, split_lengths
+from ds_stpar.seqbucket.packing import Piece, RowPlan, pack_buckets
 
 RowCostFn = Callable[[RowPlan], float]
 
@@ -155,7 +157,6 @@ class _Epoch:
     start: np.ndarray  # int64 [P]
     length: np.ndarray  # int64 [P]
     final: np.ndarray  # bool [P]
-    bucket: np.ndarray  # int64 [P]
     bounds: np.ndarray  # int64 [M + 1], mini-batch k = pieces bounds[k]:bounds[k+1]
 
 
@@ -212,7 +213,6 @@ class BucketSampler:
                     start=start,
                     length=length,
                     final=start + length == self.lengths[doc],
-                    bucket=bucket_index(length, self.edges),
                     bounds=np.asarray(bounds, dtype=np.int64),
                 ),
             )
@@ -231,14 +231,12 @@ class BucketSampler:
         if not 0 <= index < len(ep.bounds) - 1:
             raise IndexError(f"mini-batch {index} outside 0..{len(ep.bounds) - 2}")
         lo, hi = int(ep.bounds[index]), int(ep.bounds[index + 1])
-        per_bucket: list[list[Piece]] = [[] for _ in self.edges]
-        for i in range(lo, hi):
-            per_bucket[ep.bucket[i]].append(
-                Piece(int(ep.doc[i]), int(ep.start[i]), int(ep.length[i]), bool(ep.final[i]))
-            )
+        pieces = [
+            Piece(int(ep.doc[i]), int(ep.start[i]), int(ep.length[i]), bool(ep.final[i]))
+            for i in range(lo, hi)
+        ]
         plans = []
-        for bucket, pieces in zip(self.buckets, per_bucket):
-            rows = pack_best_fit(pieces, bucket.max_len)
+        for bucket, rows in zip(self.buckets, pack_buckets(pieces, self.edges)):
             strategy = bucket.strategy
             ranks = balance_rows(
                 rows, bucket.max_len, strategy.layout.dp, strategy.micro_batch, self.cost
