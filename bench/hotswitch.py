@@ -141,6 +141,7 @@ def summarize(metrics_path: str) -> dict:
         "switch_s": sum(r["switch_s"] for r in timed) / len(timed),
         "tokens_per_s": sum(r["tokens"] for r in timed) / seconds,
         "peak_gib": max((r.get("peak_gib") or 0.0) for r in rows),
+        "peak_gib_ranks": rows[-1].get("peak_gib_ranks"),  # peaks since the start, per rank
         "loss_first": rows[0]["loss"],
         "loss_last": rows[-1]["loss"],
     }

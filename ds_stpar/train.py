@@ -261,7 +261,8 @@ def step_flops(model: ModelSpec, plan: MiniBatchPlan) -> float:
 
 
 def metrics_row(step: int, stats, flops: float, world: int, gpu: str, lr: float) -> dict:
-    """One line of metrics.jsonl (collective on GPU: ``peak_gib`` is the maximum over ranks)."""
+    """One line of metrics.jsonl (collective on GPU: ``peak_gib_ranks`` gathers every rank's
+    peak, ``peak_gib`` is their maximum)."""
     row = {"step": step, "mini_batch": stats.index, **stats.to_dict()}
     row.pop("index")
     row["tokens"] = row.pop("num_tokens")
@@ -272,18 +273,22 @@ def metrics_row(step: int, stats, flops: float, world: int, gpu: str, lr: float)
     cuda = torch.cuda.is_available()
     row["mfu"] = row["tflops"] / peak if cuda and peak else None
     row["lr"] = lr
-    row["peak_gib"] = _peak_gib_over_ranks() if cuda else None
+    ranks = _peak_gib_of_ranks() if cuda else None
+    row["peak_gib"] = max(ranks) if ranks else None
+    row["peak_gib_ranks"] = ranks
     return row
 
 
-def _peak_gib_over_ranks() -> float:
-    """The largest peak of allocated GPU memory of any rank (collective): pipeline stages,
-    and layouts that place a parameter on some ranks only, differ, and the plan must fit on
-    the fullest GPU."""
-    peak = torch.tensor(float(torch.cuda.max_memory_allocated()), device="cuda")
+def _peak_gib_of_ranks() -> list[float]:
+    """Every rank's peak of allocated GPU memory, by global rank (collective): pipeline
+    stages, and layouts that place a parameter on some ranks only, differ, and the plan must
+    fit on the fullest GPU."""
+    peak = torch.tensor([float(torch.cuda.max_memory_allocated())], device="cuda")
+    peaks = [peak]
     if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
-    return peak.item() / 2**30
+        peaks = [torch.empty_like(peak) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(peaks, peak)
+    return [p.item() / 2**30 for p in peaks]
 
 
 def _write_atomic(path: Path, text: str) -> None:
