@@ -578,12 +578,18 @@ def stage_memory(ctx: _Context, stage: int, psi: float) -> dict[str, float]:
     h = model.hidden_size
     if stage == 0 and model.dropout > 0:  # embedding dropout mask per in-flight micro-batch
         activations += inflight / max(layers, 1) * ctx.tokens * h / r
-    if ctx.strategy.recompute == "full":  # one block recomputed at a time, all its tensors
-        activations += mem.layer_activation_bytes(acts, ctx.tokens, ctx.t, ctx.sharded, "none")
+    # the transient peak on top of the in-flight activations: the last stage's logits and
+    # their loss (end of forward, and the head's backward), and under full recompute one
+    # block's tensors at a time (the blocks' backward, after the head's): the larger of the two
+    recomputed = 0.0
+    if ctx.strategy.recompute == "full":
+        recomputed = mem.layer_activation_bytes(acts, ctx.tokens, ctx.t, ctx.sharded, "none")
+    head = 0.0
     if stage == ctx.p - 1:
-        activations += ctx.tokens * (
+        head = ctx.tokens * (
             2 * ctx.e * h / r + head_bytes_per_logit(ctx) * model.vocab_size / ctx.t
         )
+    activations += max(recomputed, head)
     buffers = tp_buffer_bytes(ctx)
     if ctx.p > 1:
         buffers += 2 * ctx.e * ctx.tokens * h / ctx.t
