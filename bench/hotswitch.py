@@ -153,11 +153,15 @@ def table(label: str, gpu: str, reports: dict, measured: dict) -> str:
         "| meas | tokens/s | speedup pred | meas | peak GiB pred (total) | meas (allocated) |"
     )  # step and switch: means over the timed steps; speedup: ratio of tokens/s
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    base_pred = reports["static"]["bucketed_step_s"]
     base_meas = measured.get("static", {}).get("tokens_per_s")
     for name, rep in reports.items():
         m = measured.get(name)
         pred = rep["bucketed_step_s"]
+        # the static plan's prediction, else the one the plan records (--plans planned run
+        # beside a --plans static run: the measured speedup is then taken across the two)
+        static = reports.get("static")
+        base_pred = static["bucketed_step_s"] if static else rep.get("static_step_s")
+        speed_pred = f"{base_pred / pred:.3f}x" if base_pred else "n/a"
         peak_pred = max(b["peak_memory_gib"] for b in rep["buckets"])
         if m is None:
             meas = err = sw = tps = speed = peak = "failed"
@@ -170,7 +174,7 @@ def table(label: str, gpu: str, reports: dict, measured: dict) -> str:
             speed = f"{m['tokens_per_s'] / base_meas:.3f}x" if base_meas else "n/a"
         lines.append(
             f"| {label} | {name} | {layouts(rep)} | {pred:.3f} | {meas} | {err} "
-            f"| {rep['switch_s']:.3f} | {sw} | {tps} | {base_pred / pred:.3f}x | {speed} "
+            f"| {rep['switch_s']:.3f} | {sw} | {tps} | {speed_pred} | {speed} "
             f"| {peak_pred:.1f} | {peak} |"
         )
     return f"planner preset {gpu}\n" + "\n".join(lines)

@@ -423,13 +423,24 @@ def plan_command(args: argparse.Namespace) -> int:
         tp_modes=tuple(args.tp_modes),
         allow_tp_across_nodes=args.allow_tp_across_nodes or None,
     )
-    if not result.top:
-        raise DoesNotFitError(does_not_fit_message(result, model, cluster, train, args))
+    allow = args.allow_tp_across_nodes or None
+    loop = None
+    if not result.top:  # the published stack fits nothing; the loop's own modules may
+        message = does_not_fit_message(result, model, cluster, train, args)
+        loop = emit.loop_estimate(model, cluster, train, args.tp_modes, allow)
+        if loop is None or not (args.data or args.out):
+            raise DoesNotFitError(message)
+        if not args.json:
+            print(f"Megatron-LM stack: {message}")
+            print(
+                f"launch/pretrain.py's stack (megatron-core local modules) fits "
+                f"{loop.strategy.short()}: {loop.step_time_s:.3f} s, "
+                f"{loop.peak_memory_gib:.1f} GiB"
+            )
     buckets = _bucket_plan(args, model, cluster, train) if args.data else None
-    files, loop = {}, None
+    files = {}
     if args.out:
-        allow = args.allow_tp_across_nodes or None
-        if buckets is None:
+        if buckets is None and loop is None:
             loop = emit.loop_estimate(model, cluster, train, args.tp_modes, allow)
         files = emit.plan_files(
             result,
@@ -460,14 +471,17 @@ def plan_command(args: argparse.Namespace) -> int:
             report["buckets"] = buckets.to_dict()
         print(json.dumps(report, indent=2))
         return 0
-    best = result.top[0]
-    print(
-        f"searched {result.considered} strategies; model FLOPs per step "
-        f"{best.model_flops_per_step / 1e15:.2f} PFLOP"
-    )
-    print(ascii_table(emit.RANKED_HEADERS, emit.ranked_rows(result.top)))
-    print(f"best: {best.strategy.short()}")
-    _print_breakdown(best)
+    if result.top:
+        best = result.top[0]
+        print(
+            f"searched {result.considered} strategies; model FLOPs per step "
+            f"{best.model_flops_per_step / 1e15:.2f} PFLOP"
+        )
+        print(ascii_table(emit.RANKED_HEADERS, emit.ranked_rows(result.top)))
+        print(f"best: {best.strategy.short()}")
+        _print_breakdown(best)
+    else:
+        best = loop
     if result.rejected:
         rejected = sorted(result.rejected.items())
         print(f"rejected layout families ({len(rejected)}):")

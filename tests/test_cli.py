@@ -251,6 +251,33 @@ def test_out_writes_a_pipeline_layout_for_an_untied_model_only(capsys, tmp_path,
         assert "ds_stpar.json holds" not in out and "best: " + loop.strategy.short() in out
 
 
+def test_out_writes_the_loops_layout_where_the_published_stack_fits_nothing(capsys, tmp_path):
+    # llama-4b (untied) at 64K on 2 GPUs: no layout fits the published Megatron-LM stack's
+    # memory (8 bytes per logit), the loop's local modules (6 bytes) fit TP2 ring; --out
+    # writes ds_stpar.json for it and megatron_args.txt for the closest, marked as not
+    # fitting. Without --out or --data there is nothing to write: the does-not-fit error.
+    from ds_stpar.config import ClusterSpec, ModelSpec, TrainSpec, load_gpu
+    from ds_stpar.planner import emit
+
+    path = str(Path(__file__).parents[1] / "bench/models/llama-4b-untied-64k.json")
+    argv = ["plan", "--model", path, "--gpus", "2", "--seq-len", "65536", "--global-batch", "8"]
+    argv += ["--nvlink-gbs", "21"]
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and "no layout of llama-4b-untied-64k" in err and "fits in 2 x" in err
+    code, out, err = run(capsys, *argv, "--out", str(tmp_path / "plan"))
+    assert code == 0, err
+    cluster = ClusterSpec(load_gpu("h100-80g", nvlink_gbs=21.0), 2)
+    loop = emit.loop_estimate(ModelSpec.load(path), cluster, TrainSpec(65536, 8))
+    assert loop.strategy.layout.tp == 2 and loop.fits
+    assert "Megatron-LM stack: no layout of llama-4b-untied-64k" in out
+    assert f"local modules) fits {loop.strategy.short()}" in out
+    written = StparConfig.from_deepspeed_json(str(tmp_path / "plan" / "ds_stpar.json"))
+    assert written.home == loop.strategy
+    args = (tmp_path / "plan" / "megatron_args.txt").read_text()
+    assert "does NOT fit" in args
+    assert "Nothing fits; closest:" in (tmp_path / "plan" / "plan.md").read_text()
+
+
 def test_failed_write_leaves_nothing(capsys, tmp_path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")

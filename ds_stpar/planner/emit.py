@@ -847,14 +847,18 @@ def plan_files(
     bucketed plan (:func:`bucketed_deepspeed_config`),
     megatron_args.txt for :func:`megatron_estimate`'s (the best one with ZeRO capped at 1
     and a "does NOT fit" warning when nothing fits Megatron-LM; Megatron-LM has no buckets),
-    plan.md for all of ``result`` and the buckets."""
+    plan.md for all of ``result`` and the buckets. When nothing of the ranking fits (the
+    published Megatron-LM stack counts more memory than the loop's local modules) but
+    ``loop`` or ``buckets`` is given, ds_stpar.json is still written and megatron_args.txt
+    holds the ranking's closest layout, marked as not fitting."""
     from ds_stpar.planner.buckets import loop_refusal, loop_rule, runnable
 
     top = result.top if isinstance(result, SearchResult) else list(result)
     fitting = [e for e in top if e.fits]
-    if not fitting:
+    closest = result.closest if isinstance(result, SearchResult) else (top[0] if top else None)
+    if not fitting and ((loop is None and buckets is None) or closest is None):
         raise DoesNotFitError(f"no layout of {model.name} fits; nothing to write")
-    best = fitting[0]
+    best = fitting[0] if fitting else closest
     tied = model.tied_embeddings
     if buckets is None:
         if loop is None:
