@@ -19,6 +19,7 @@ from ds_stpar.seqbucket.packing import (
     block_causal_mask,
     collate,
     pack_best_fit,
+    pack_buckets,
     pack_row,
 )
 from ds_stpar.seqbucket.tokenize import BYTE_PAD_ID, ByteTokenizer
@@ -59,6 +60,55 @@ def test_best_fit_decreasing_matches_reference_and_respects_budget():
         pack_best_fit([Piece(0, 0, 513, True)], 512)
     with pytest.raises(ValueError, match="overflow"):
         RowPlan(8, (Piece(0, 0, 5, True), Piece(1, 0, 4, True)))
+
+
+def reference_bucketed_best_fit(lengths, edges):
+    """Best-fit-decreasing over every open row, a new row taking the smallest edge that holds
+    its piece, with a linear scan: (edge, piece indices) per row, in opening order."""
+    rows, room, edge = [], [], []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        fits = [r for r in range(len(rows)) if room[r] >= lengths[i]]
+        if fits:
+            r = min(fits, key=lambda r: (room[r], r))
+        else:
+            rows.append([])
+            edge.append(min(e for e in edges if e >= lengths[i]))
+            room.append(edge[-1])
+            r = len(rows) - 1
+        rows[r].append(i)
+        room[r] -= lengths[i]
+    return list(zip(edge, rows))
+
+
+def test_bucketed_best_fit_fills_long_rows_before_opening_short_ones():
+    # by hand: 900 and 700 open 1024-token rows (room 124 and 324); 300 joins the 700 (room
+    # 24), 120 the 900 (room 4); 100 fits nowhere and opens a 128-token row (room 28), 60
+    # opens another (room 68), which then takes 50. Alone, the short bucket's four pieces
+    # would need three rows.
+    pieces = [Piece(i, 0, n, True) for i, n in enumerate([900, 700, 300, 120, 100, 60, 50])]
+    short, long = pack_buckets(pieces, (128, 1024))
+    assert [[p.length for p in r.pieces] for r in long] == [[900, 120], [700, 300]]
+    assert [[p.length for p in r.pieces] for r in short] == [[100], [60, 50]]
+    assert {r.length for r in long} == {1024} and {r.length for r in short} == {128}
+    assert len(pack_best_fit(pieces[3:], 128)) == 3
+    # against the linear-scan reference on skewed lengths and three buckets
+    rng = np.random.default_rng(2)
+    lengths = np.minimum(rng.lognormal(5.0, 1.4, 600).astype(int) + 1, 2048).tolist()
+    edges = (128, 512, 2048)
+    packed = pack_buckets([Piece(i, 0, n, True) for i, n in enumerate(lengths)], edges)
+    got = sorted((row.length, [p.doc for p in row.pieces]) for rows in packed for row in rows)
+    assert got == sorted(reference_bucketed_best_fit(lengths, edges))
+    for k, rows in enumerate(packed):  # a row is opened by a piece of its own bucket
+        low = edges[k - 1] if k else 0
+        assert all(low < max(p.length for p in row.pieces) <= edges[k] for row in rows)
+    # the longest bucket's rows are as many as its own pieces need alone: fillers only
+    # take room that would have been padding
+    own = [Piece(i, 0, n, True) for i, n in enumerate(lengths) if n > 512]
+    assert len(packed[-1]) == len(pack_best_fit(own, 2048))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        pack_buckets(pieces, (1024, 128))
+    with pytest.raises(ValueError, match="does not fit"):
+        pack_buckets(pieces, (128, 512))
 
 
 def test_packed_row_layout_labels_positions_and_boundaries():
