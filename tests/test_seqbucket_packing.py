@@ -31,37 +31,6 @@ def docs():
     return [ByteTokenizer().encode(d["text"]) for d in stdlib_documents(max_files=60)]
 
 
-def reference_best_fit(lengths, budget):
-    """Textbook best-fit-decreasing with a linear scan, returning rows of piece indices."""
-    rows, room = [], []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        fits = [r for r in range(len(rows)) if room[r] >= lengths[i]]
-        if fits:
-            r = min(fits, key=lambda r: (room[r], r))
-        else:
-            rows.append([])
-            room.append(budget)
-            r = len(rows) - 1
-        rows[r].append(i)
-        room[r] -= lengths[i]
-    return rows
-
-
-def test_best_fit_decreasing_matches_reference_and_respects_budget():
-    rng = np.random.default_rng(1)
-    lengths = np.minimum(rng.lognormal(4.0, 1.2, 400).astype(int) + 1, 512).tolist()
-    pieces = [Piece(doc=i, start=0, length=n, final=True) for i, n in enumerate(lengths)]
-    rows = pack_best_fit(pieces, 512)
-    assert [[p.doc for p in row.pieces] for row in rows] == reference_best_fit(lengths, 512)
-    assert all(row.length == 512 and row.num_tokens <= 512 for row in rows)
-    assert sorted(p.doc for row in rows for p in row.pieces) == list(range(400))
-    assert len(rows) <= 11 / 9 * np.ceil(sum(lengths) / 512) + 1  # BFD's worst-case bound
-    with pytest.raises(ValueError, match="does not fit"):
-        pack_best_fit([Piece(0, 0, 513, True)], 512)
-    with pytest.raises(ValueError, match="overflow"):
-        RowPlan(8, (Piece(0, 0, 5, True), Piece(1, 0, 4, True)))
-
-
 def reference_bucketed_best_fit(lengths, edges):
     """Best-fit-decreasing over every open row, a new row taking the smallest edge that holds
     its piece, with a linear scan: (edge, piece indices) per row, in opening order."""
@@ -78,6 +47,26 @@ def reference_bucketed_best_fit(lengths, edges):
         rows[r].append(i)
         room[r] -= lengths[i]
     return list(zip(edge, rows))
+
+
+def reference_best_fit(lengths, budget):
+    """Textbook best-fit-decreasing with a linear scan, returning rows of piece indices."""
+    return [rows for _, rows in reference_bucketed_best_fit(lengths, (budget,))]
+
+
+def test_best_fit_decreasing_matches_reference_and_respects_budget():
+    rng = np.random.default_rng(1)
+    lengths = np.minimum(rng.lognormal(4.0, 1.2, 400).astype(int) + 1, 512).tolist()
+    pieces = [Piece(doc=i, start=0, length=n, final=True) for i, n in enumerate(lengths)]
+    rows = pack_best_fit(pieces, 512)
+    assert [[p.doc for p in row.pieces] for row in rows] == reference_best_fit(lengths, 512)
+    assert all(row.length == 512 and row.num_tokens <= 512 for row in rows)
+    assert sorted(p.doc for row in rows for p in row.pieces) == list(range(400))
+    assert len(rows) <= 11 / 9 * np.ceil(sum(lengths) / 512) + 1  # BFD's worst-case bound
+    with pytest.raises(ValueError, match="does not fit"):
+        pack_best_fit([Piece(0, 0, 513, True)], 512)
+    with pytest.raises(ValueError, match="overflow"):
+        RowPlan(8, (Piece(0, 0, 5, True), Piece(1, 0, 4, True)))
 
 
 def test_bucketed_best_fit_fills_long_rows_before_opening_short_ones():
