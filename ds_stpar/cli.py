@@ -406,8 +406,8 @@ def does_not_fit_message(result, model, cluster, train, args) -> str:
 
 def plan_command(args: argparse.Namespace) -> int:
     from ds_stpar.planner import emit
-    from ds_stpar.planner.buckets import loop_rule
     from ds_stpar.planner.search import search
+    from ds_stpar.seqbucket.runner import LOOP_RULE
 
     model, cluster, train = _inputs(args)
     if args.top < 1:
@@ -497,7 +497,7 @@ def plan_command(args: argparse.Namespace) -> int:
         if loop is not None and loop.strategy != best.strategy:
             print(
                 f"ds_stpar.json holds {loop.strategy.short()}, the fastest layout launch/pretrain.py "
-                f"runs (megatron-core local modules, {loop_rule(model.tied_embeddings)}); the "
+                f"runs (megatron-core local modules, {LOOP_RULE}); the "
                 "ranking is for the published Megatron-LM stack"
             )
     else:

@@ -151,11 +151,7 @@ def check_inputs(opts: RunOptions, world: int) -> Checked:
     ds_config = read_json(opts.config)
     cfg = StparConfig.from_deepspeed_json(opts.config)
     check_world_size(cfg, world, opts.config)
-    check_strategies(
-        [b.strategy for b in cfg.buckets],
-        [b.max_len for b in cfg.buckets],
-        tied_embeddings=cfg.model.tied_embeddings,
-    )
+    check_strategies([b.strategy for b in cfg.buckets], [b.max_len for b in cfg.buckets])
     engine_config(ds_config, cfg)  # refuses ZeRO 3
     if opts.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {opts.steps}")

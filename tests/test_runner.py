@@ -25,11 +25,12 @@ from ds_stpar.config import Bucket, Layout, ModelSpec, StparConfig, Strategy, Tr
 from tests.distributed import run_workers
 
 TINY = ModelSpec("tiny", 2, 64, 4, vocab_size=258, max_position_embeddings=256, dropout=0.0)
-UNTIED = dataclasses.replace(TINY, tied_embeddings=False)  # a pipelined home needs it
+UNTIED = dataclasses.replace(TINY, tied_embeddings=False)
 EDGES = (64, 128, 256)
 DP2, TP2, RING2 = Layout(dp=2), Layout(tp=2), Layout(tp=2, tp_mode="ring")
 DP4, TP4, CANNON4 = Layout(dp=4), Layout(tp=4), Layout(tp=4, tp_mode="cannon")  # 2x2 torus
 PP2, PP4, RING2_PP2 = Layout(pp=2), Layout(pp=4), Layout(tp=2, pp=2, tp_mode="ring")
+DP2_PP2 = Layout(dp=2, pp=2)
 
 
 def _config(
@@ -168,6 +169,22 @@ def _home_grads(runner) -> dict:
     return runner.home.described(grads)
 
 
+def _check_tied_copies_agree(what: str, runner) -> None:
+    """A pipelined home's tied embedding: the first and the last stage's copies hold the same
+    gradient (bit for bit: one all-reduced sum), which _compare checked against the
+    reference through one of them."""
+    from deepspeed.utils import safe_get_full_grad
+
+    tied = runner.tied
+    if tied.param is None:  # a middle stage
+        return
+    mine = safe_get_full_grad(tied.param).detach().float()
+    other = [torch.empty_like(mine) for _ in range(dist.get_world_size(tied.group))]
+    dist.all_gather(other, mine.contiguous(), group=tied.group)
+    assert torch.equal(other[0], other[1]), what
+    assert mine.abs().max() > 0, what
+
+
 def _compare(what: str, runner, stats, plan, ref_loss: float, ref_grads: dict) -> None:
     grads = _gather_full(_home_grads(runner), runner)
     # fp32 against float64: the loss is a mean of ~1000-2000 token losses from fp32 logits;
@@ -209,6 +226,8 @@ def _check_against_reference(
         assert all(p.untyped_storage().nbytes() == 0 for p in away.params.values()), what
     ref_loss, ref_grads = _megatron_reference(model, weights, plan, docs, cache, rank)
     _compare(what, runner, stats, plan, ref_loss, ref_grads)
+    if runner.tied is not None:
+        _check_tied_copies_agree(what, runner)
     if grad_norm:
         runner.engine.step()
         ref_norm = math.sqrt(sum(g.pow(2).sum().item() for g in ref_grads.values()))
@@ -233,11 +252,14 @@ def _check_gradients(rank: int, world: int) -> None:
         ("pp2 static, ZeRO 1", (PP2, PP2, PP2), 1, UNTIED),
         ("dp2,tp2 -> pp2 switching, ZeRO 0", (DP2, TP2, PP2), 0, UNTIED),
         ("pp2 (tied LM head on stage 1) -> dp2 switching, ZeRO 2", (PP2, PP2, DP2), 2),
+        ("pp2 static, tied embedding on both stages, ZeRO 1", (PP2, PP2, PP2), 1, TINY, True),
+        ("dp2,tp2 -> pp2 home with a tied embedding, ZeRO 0", (DP2, TP2, PP2), 0, TINY),
     ]
-    for what, layouts, zero, *model in cases:
-        cfg = _config(layouts, zero, model=model[0] if model else TINY)
+    for what, layouts, zero, *rest in cases:
+        cfg = _config(layouts, zero, model=rest[0] if rest else TINY)
         model, runner = _setup(cfg, _ds_config(zero), cache, docs)
-        _check_against_reference(what, cfg, model, runner, docs, cache, rank, 2048)
+        norm = bool(rest[1:])
+        _check_against_reference(what, cfg, model, runner, docs, cache, rank, 2048, norm)
     _check_recompute_shares_the_home_model(docs, cache, rank)
 
 
@@ -388,11 +410,16 @@ def _check_cannon_buckets(rank: int, world: int) -> None:
 
 def _check_pipelines(docs, cache, rank: int, edges) -> None:
     """Pipelined homes on 4 ranks: TP ring x PP (the hidden state crosses stages split by
-    sequence parallelism) and PP4 over 4 layers (1F1B warm-up of 3 forwards on stage 0)."""
+    sequence parallelism) and PP4 over 4 layers (1F1B warm-up of 3 forwards on stage 0),
+    untied and tied (the two middle stages hold no copy of the embedding), and DP2 x PP2 tied
+    (each pipeline sums its own two copies, then DeepSpeed averages over DP)."""
     four = dataclasses.replace(UNTIED, num_layers=4)
+    tied_four = dataclasses.replace(TINY, num_layers=4)
     for what, layouts, model, zero in (
         ("dp4 -> tp2 ring x pp2 home, ZeRO 1", (DP4, RING2_PP2), UNTIED, 1),
         ("dp4 -> pp4 home, 4 layers, ZeRO 2", (DP4, PP4), four, 2),
+        ("dp4 -> pp4 home, 4 layers, tied embedding, ZeRO 2", (DP4, PP4), tied_four, 2),
+        ("dp4 -> dp2 x pp2 home, tied embedding, ZeRO 1", (DP4, DP2_PP2), TINY, 1),
     ):
         cfg = _config(layouts, zero, model=model, edges=edges)
         model, runner = _setup(cfg, _ds_config(zero), cache, docs)

@@ -116,10 +116,11 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
     cfg = json.loads(TINY.read_text())
     cfg["zero_optimization"]["stage"] = 3
     zero3.write_text(json.dumps(cfg))
-    pp2 = tmp_path / "pp2.json"
+    uneven = tmp_path / "uneven.json"
     cfg = json.loads(TINY.read_text())
-    cfg["ds_stpar"]["buckets"][1]["strategy"]["layout"] = {"dp": 1, "tp": 1, "pp": 2}
-    pp2.write_text(json.dumps(cfg))
+    home = cfg["ds_stpar"]["buckets"][1]["strategy"]
+    home["layout"], home["first_stage_layers"] = {"dp": 1, "tp": 1, "pp": 2}, 1
+    uneven.write_text(json.dumps(cfg))
     vpp = tmp_path / "vpp.json"
     cfg = json.loads(TINY.read_text())
     short = cfg["ds_stpar"]["buckets"][0]["strategy"]
@@ -135,8 +136,9 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["--config", str(malformed)], "bad.json:2:15: malformed JSON"),
         (["--config", str(no_section)], 'no "ds_stpar" section'),
         (["--config", str(zero3)], "ZeRO stage 3 is not supported"),
-        (["--config", str(pp2)], "pp=2 with tied embeddings"),
-        (["--config", str(vpp)], "bucket 128: interleaved pipeline stages (vpp_layers=1)"),
+        (["--config", str(uneven)], "evenly over the stages (uneven first/last stages)"),
+        (["--config", str(vpp)], "bucket 128: the ds_stpar training loop cannot run"),
+        (["--config", str(vpp)], "does not interleave stages (vpp_layers=1)"),
         (["--config", tiny, "--data", str(tmp_path / "nope")], "nope: no such file or folder"),
         (["--config", tiny, "--tokenizer", str(tmp_path / "tok.json")], "no such tokenizer"),
         (["--config", tiny, "--load", str(tmp_path)], "no checkpoint here"),

@@ -86,19 +86,21 @@ What the runner executes (:func:`runnable`) restricts the bucketed strategies to
 <= 2 (ZeRO-3 shards the parameters that the switch reads), pipelines in non-interleaved 1F1B
 over even stages (``vpp_layers = 0``, no uneven first/last stage), and power-of-two
 micro-batches; non-home buckets hold no optimizer state (ZeRO 0). A model that ties its
-embedding and LM head keeps its home layout at ``pp = 1``: a pipelined home would hold the
-tied weight on its first and last stage, and their partial gradients would need a sum
-across stages inside DeepSpeed's reduction. Its non-home buckets may still be pipelines: their
-gradients go home through the switch, which adds the partial copies. (Rule 13 still keeps
-ZeRO-2 off pipelines: the search and the options take ZeRO 0-1 there.)
+embedding and LM head may pipeline any layout: a pipelined home holds the tied weight on its
+first and last stage and sums their gradients before DeepSpeed reduces them, through an fp32
+accumulator of the weight on both stages (``seqbucket/tied.py``; the local stack's memory
+counts it, ``planner.cost.stage_memory``); a non-home pipeline's copies go home through the
+switch, which adds them. (Rule 13 still keeps ZeRO-2 off pipelines: the search and the
+options take ZeRO 0-1 there.)
 
 Static baseline: :func:`~ds_stpar.planner.search.search` at ``s`` for the whole step packed
 best-fit into rows of ``s``, each fitting candidate timed with its attention ratio
 (:meth:`_Planner.static`), among the strategies the training loop runs as its home layout
 (:func:`runnable`; the plan is what ``launch/pretrain.py`` executes, so both sides of the
 comparison must run there). When a layout the loop cannot run is predicted faster (ZeRO-3,
-interleaved or uneven stages, a pipeline of a tied model), the plan's ``note`` names it and
-why (:func:`loop_refusal`; DeepSpeed/Megatron-LM can run it as a static layout). A
+interleaved or uneven stages), the plan's ``note`` names it and why
+(:func:`~ds_stpar.seqbucket.runner.loop_refusal`; DeepSpeed/Megatron-LM can run it as a
+static layout). A
 bucketed plan must beat it by ``min_gain`` per bucket beyond the first (default 1%: closer
 predictions are within the cost model's error, and every bucket costs a model, memory and
 a switch); otherwise the plan IS the static layout: one bucket, no switching.
@@ -153,6 +155,7 @@ from ds_stpar.planner.profile import Calibration
 from ds_stpar.planner.search import MAX_MICRO_BATCH, families, knob_grid, search
 from ds_stpar.seqbucket.lengths import split_lengths
 from ds_stpar.seqbucket.packing import Piece, pack_buckets
+from ds_stpar.seqbucket.runner import LOOP_ZERO, loop_refusal
 from ds_stpar.seqbucket.shards import Placement, model_param_specs
 from ds_stpar.seqbucket.switch import SwitchPlanner, switch_buffer_bytes
 
@@ -164,7 +167,6 @@ PACK_DRAWN = 8192  # pieces drawn in all: as many simulated steps as make about 
 MAX_PACK_GROUPS = 64  # simulated steps at most
 MAX_COMBINATIONS = 4096  # non-home combinations examined per (home, edge set)
 GRAD_BYTES = 4  # the runner accumulates and carries gradients in fp32
-HOME_ZERO = (0, 1, 2)  # ZeRO-3 shards the home parameters the switch must read
 ALL = 1 << 30  # a search top_k that keeps every fitting strategy
 
 
@@ -691,42 +693,11 @@ def away_models(chosen: Sequence[_Option], home_key: Strategy) -> list[Strategy]
     return keys
 
 
-def loop_refusal(strategy: Strategy, tied_embeddings: bool, home: bool = True) -> str:
-    """Why ds_stpar's training loop cannot run ``strategy`` as a home layout (``home``: the
-    longest bucket's, and any static layout) or as another bucket's, every reason; "" when
-    it can.
-
-    The loop (seqbucket/runner.py) runs ZeRO 0-2 (ZeRO-3 shards the parameters that the switch
-    reads) and pipelines in non-interleaved 1F1B over even stages. A home pipeline must not
-    tie the embedding and LM head: their gradients are partial on the first and last stage
-    and would need a sum across stages inside DeepSpeed's reduction. A non-home pipeline may:
-    its gradients leave through the switch, which adds the partial copies."""
-    reasons = []
-    if strategy.zero not in HOME_ZERO:
-        reasons.append(f"ZeRO-{strategy.zero} shards the parameters the switch reads")
-    if strategy.vpp_layers:
-        reasons.append("its 1F1B schedule does not interleave stages (vpp_layers)")
-    if strategy.first_stage_layers or strategy.last_stage_layers:
-        reasons.append("it splits the layers evenly over the stages (uneven first/last stages)")
-    if home and tied_embeddings and strategy.layout.pp > 1:
-        reasons.append(
-            "a pipelined home layout cannot tie the embedding and LM head (their gradients "
-            "would need a sum across the first and last stage)"
-        )
-    return ", and ".join(reasons)
-
-
-def runnable(strategy: Strategy, tied_embeddings: bool, home: bool = True) -> bool:
-    """Whether ds_stpar's training loop runs ``strategy`` (:func:`loop_refusal`): ZeRO 0-2,
-    no interleaving, even stages, and pp = 1 for a home layout of a model with tied
-    embeddings; the static baseline (a home layout) and every bucket are held to it."""
-    return not loop_refusal(strategy, tied_embeddings, home)
-
-
-def loop_rule(tied_embeddings: bool) -> str:
-    """What :func:`runnable` admits as a home layout, in words (CLI and plan.md)."""
-    pipeline = "pp=1 (tied embeddings)" if tied_embeddings else "pp >= 1 (1F1B)"
-    return f"{pipeline}, ZeRO <= 2"
+def runnable(strategy: Strategy) -> bool:
+    """Whether ds_stpar's training loop runs ``strategy``
+    (:func:`~ds_stpar.seqbucket.runner.loop_refusal`: ZeRO 0-2, no interleaving, even
+    stages); the static baseline (a home layout) and every bucket are held to it."""
+    return not loop_refusal(strategy)
 
 
 MICRO_BATCH_SIZES = tuple(1 << k for k in range(int(math.log2(MAX_MICRO_BATCH)) + 1))
@@ -812,11 +783,11 @@ class _Planner:
         out = []
         flash = self.cal.flash_attention
         for layout in self.layouts:
-            zeros = (0,) if not home or layout.dp == 1 else HOME_ZERO
+            zeros = (0,) if not home or layout.dp == 1 else LOOP_ZERO
             for zero, (sp, rc, fused) in itertools.product(zeros, knob_grid(layout, flash)):
                 for b in MICRO_BATCH_SIZES:
                     strategy = Strategy(layout, b, zero, rc, sp, fused_ring_mlp=fused)
-                    if not runnable(strategy, self.tied, home):
+                    if not runnable(strategy):
                         break  # at any micro-batch
                     probe = self.train_at(edge, b * layout.dp)
                     if rules.violations(
@@ -1041,7 +1012,7 @@ class _Planner:
             first = self.evaluator(seq_len, rows, ratio).estimate(s)
             second = self.evaluator(seq_len, 2 * rows, ratio).estimate(s)
             timing = affine_timing(first, second, m)
-            if not runnable(s, self.tied):
+            if not runnable(s):
                 if self.unrunnable is None or timing.step_s < self.unrunnable[1]:
                     self.unrunnable = (s, timing.step_s)
                 continue
@@ -1054,7 +1025,7 @@ class _Planner:
             raise DoesNotFitError(
                 f"no layout of {model.name} that ds_stpar's training loop runs fits "
                 f"{cluster.num_gpus} x {cluster.gpu.name} at seq {seq_len}: the best that fits, "
-                f"{strategy.short()}, is one it cannot run ({loop_refusal(strategy, self.tied)}); "
+                f"{strategy.short()}, is one it cannot run ({loop_refusal(strategy)}); "
                 "train with DeepSpeed/Megatron-LM from `ds-stpar plan` without --data"
             )
         return best
@@ -1076,8 +1047,7 @@ class _Planner:
             strategy, step_s = self.unrunnable
             common["note"] = (
                 f"{strategy.short()} is predicted faster as a static layout ({step_s:.3f} s "
-                "per step), but ds_stpar's training loop cannot run it: "
-                + loop_refusal(strategy, self.tied)
+                "per step), but ds_stpar's training loop cannot run it: " + loop_refusal(strategy)
             )
         if found is None:  # the static layout: one bucket, no switch
             stats = self.stats(())[0]

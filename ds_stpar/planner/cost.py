@@ -567,6 +567,12 @@ def stage_memory(ctx: _Context, stage: int, psi: float) -> dict[str, float]:
     """Bytes on one GPU of ``stage`` at its peak, by kind."""
     model, train, cal = ctx.model, ctx.train, ctx.cal
     states = mem.model_state_bytes(psi, ctx.strategy.zero, ctx.d, train, cal.grad_bytes)
+    if cal.local and model.tied_embeddings and ctx.p > 1 and stage in (0, ctx.p - 1):
+        # launch/pretrain.py parks each stage's copy of the tied embedding's gradient in
+        # fp32 until the two are summed (seqbucket/tied.py)
+        states = dataclasses.replace(
+            states, grads=states.grads + mem.FP32 * model.vocab_size * model.hidden_size / ctx.t
+        )
     acts = ctx.activations
     per_layer = mem.layer_activation_bytes(
         acts, ctx.tokens, ctx.t, ctx.sharded, ctx.strategy.recompute

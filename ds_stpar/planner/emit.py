@@ -763,14 +763,13 @@ def loop_estimate(
     """The fastest fitting strategy of ds_stpar's training loop, for ds_stpar.json (``None``
     if none fits): ``launch/pretrain.py`` runs it as a home layout
     (:func:`~ds_stpar.planner.buckets.runnable`: ZeRO 0-2, pipelines in non-interleaved 1F1B
-    over even stages, and pp = 1 when the model ties its embedding and LM head; ``StparTrainer``
-    runs transformers models without pipelines and refuses a pp > 1 plan), on
+    over even stages; ``StparTrainer`` runs transformers models without pipelines and refuses
+    a pp > 1 plan), on
     megatron-core's local modules, so the search is redone with that stack's calibration
     (``megatron-core-local``: its times and memory, within 1% of the allocation measured on
     H100, where the published Megatron-LM stack that ``plan`` ranks for under-counts) and a
-    layout ranked first that the loop cannot run (ZeRO-3, interleaved or uneven stages, a
-    pipeline of a tied model) goes to megatron_args.txt and plan.md, not to the file the loop
-    reads."""
+    layout ranked first that the loop cannot run (ZeRO-3, interleaved or uneven stages) goes
+    to megatron_args.txt and plan.md, not to the file the loop reads."""
     from ds_stpar.planner.buckets import runnable
 
     cal = Calibration.load_default(cluster.gpu.name, stack=LOCAL_STACK)
@@ -780,7 +779,7 @@ def loop_estimate(
         train,
         tp_modes,
         allow_tp_across_nodes,
-        lambda s: runnable(s, model.tied_embeddings),
+        runnable,
         cal,
     )
 
@@ -851,7 +850,8 @@ def plan_files(
     published Megatron-LM stack counts more memory than the loop's local modules) but
     ``loop`` or ``buckets`` is given, ds_stpar.json is still written and megatron_args.txt
     holds the ranking's closest layout, marked as not fitting."""
-    from ds_stpar.planner.buckets import loop_refusal, loop_rule, runnable
+    from ds_stpar.planner.buckets import runnable
+    from ds_stpar.seqbucket.runner import LOOP_RULE, loop_refusal
 
     top = result.top if isinstance(result, SearchResult) else list(result)
     fitting = [e for e in top if e.fits]
@@ -859,15 +859,14 @@ def plan_files(
     if not fitting and ((loop is None and buckets is None) or closest is None):
         raise DoesNotFitError(f"no layout of {model.name} fits; nothing to write")
     best = fitting[0] if fitting else closest
-    tied = model.tied_embeddings
     if buckets is None:
         if loop is None:
-            loop = next((e for e in fitting if runnable(e.strategy, tied)), None)
+            loop = next((e for e in fitting if runnable(e.strategy)), None)
         if loop is None:
             raise DoesNotFitError(
                 f"no layout of {model.name} that launch/pretrain.py runs fits: the best, "
                 f"{best.strategy.short()}, is one it cannot run "
-                f"({loop_refusal(best.strategy, tied)}); "
+                f"({loop_refusal(best.strategy)}); "
                 "train with Megatron-LM or DeepSpeed from the ranking"
             )
     if buckets is not None:
@@ -893,7 +892,7 @@ def plan_files(
         )
         ds_label = (
             f"{loop.strategy.short()} (DeepSpeed): {loop.step_time_s:.3f} s, "
-            f"{loop.peak_memory_gib:.1f} GiB for the {loop.stack} stack, {loop_rule(tied)}"
+            f"{loop.peak_memory_gib:.1f} GiB for the {loop.stack} stack, {LOOP_RULE}"
             + (", ranked 1" if loop.strategy == best.strategy else "")
         )
     mega = megatron_estimate(

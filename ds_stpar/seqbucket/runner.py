@@ -64,9 +64,10 @@ reduction and boundary see every micro-batch: the last stage's on the loss (scal
 above), the others' on the scalar ``sum(output * grad)``, whose gradient with respect to the
 stage output is exactly the received ``grad``. Parameters are named globally on every stage
 (``decoder.layers.<global index>``; a tied LM head on the last stage under the embedding's
-name), which is what the switch descriptors place. A home layout with ``pp > 1`` must not tie
-embeddings and LM head: their gradients are partial on the first and last stage and would
-need a sum across stages before DeepSpeed reduces them (:func:`check_strategies`).
+name), which is what the switch descriptors place. A pipelined home that ties embeddings and
+LM head holds the weight on its first and last stage; their gradients are summed across the
+two before DeepSpeed reduces them (:mod:`~ds_stpar.seqbucket.tied`: parked in fp32 during the
+micro-batches, summed, and handed to DeepSpeed by one more, boundary, backward).
 """
 
 from __future__ import annotations
@@ -100,30 +101,42 @@ from ds_stpar.seqbucket.shards import (
     tp_pieces,
 )
 from ds_stpar.seqbucket.switch import SWITCH_ROUND_BYTES, SwitchPlanner, switch, switch_grads
+from ds_stpar.seqbucket.tied import TIED_NAME, TiedEmbedding
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
-def check_strategies(
-    strategies: Sequence[Strategy], edges: Sequence[int], tied_embeddings: bool = False
-) -> None:
-    """Refuse what the runner cannot run: interleaved pipelines, a pipelined home layout
-    (the last, longest bucket's) of a model with tied embeddings, and sequence-parallel
+LOOP_ZERO = (0, 1, 2)  # ZeRO-3 shards the parameters the switch reads
+LOOP_RULE = "pp >= 1 (1F1B, even stages), ZeRO <= 2"  # loop_refusal's rule in words
+
+
+def loop_refusal(strategy: Strategy) -> str:
+    """Why this training loop cannot run ``strategy``, as a home layout or another bucket's,
+    every reason; "" when it can. It runs ZeRO 0-2 (ZeRO-3 shards the parameters that the
+    switch reads) and pipelines in non-interleaved 1F1B over even stages. The planner holds
+    its plans to the same rule (``planner.buckets``)."""
+    reasons = []
+    if strategy.zero not in LOOP_ZERO:
+        reasons.append(f"ZeRO-{strategy.zero} shards the parameters the switch reads")
+    if strategy.vpp_layers:
+        reasons.append(
+            f"its 1F1B schedule does not interleave stages (vpp_layers={strategy.vpp_layers})"
+        )
+    if strategy.first_stage_layers or strategy.last_stage_layers:
+        reasons.append("it splits the layers evenly over the stages (uneven first/last stages)")
+    return ", and ".join(reasons)
+
+
+def check_strategies(strategies: Sequence[Strategy], edges: Sequence[int]) -> None:
+    """Refuse what the runner cannot run (:func:`loop_refusal`), and sequence-parallel
     buckets whose rows do not split evenly over TP."""
-    for index, (strategy, edge) in enumerate(zip(strategies, edges)):
+    for strategy, edge in zip(strategies, edges):
         layout = strategy.layout
-        if layout.pp > 1 and strategy.vpp_layers:
+        refusal = loop_refusal(strategy)
+        if refusal:
             raise ConfigError(
-                f"bucket {edge}: interleaved pipeline stages (vpp_layers="
-                f"{strategy.vpp_layers}); the ds_stpar training loop runs non-interleaved "
-                "1F1B only: re-plan, or train this layout with Megatron-LM"
-            )
-        if layout.pp > 1 and tied_embeddings and index == len(strategies) - 1:
-            raise ConfigError(
-                f"home bucket {edge}: pp={layout.pp} with tied embeddings and LM head; their "
-                "gradients would need a sum across the first and last stage inside "
-                "DeepSpeed's reduction. Re-plan (the planner keeps such homes at pp=1), untie "
-                "the embeddings, or train with Megatron-LM"
+                f"bucket {edge}: the ds_stpar training loop cannot run {strategy.short()}: "
+                f"{refusal}; re-plan, or train this layout with Megatron-LM or DeepSpeed"
             )
         sp = strategy.sequence_parallel or layout.tp_mode != "megatron"
         if layout.tp > 1 and sp and edge % layout.tp:
@@ -511,8 +524,9 @@ class BucketRunner:
         for param in self.sp_params.values():
             param.register_hook(self._tp_all_reduce)
         self._fresh: set[Strategy] = set()  # layouts whose weights match the home's
+        self.tied = None  # a pipelined home's tied embedding: seqbucket/tied.py
         if self.home.strategy.layout.pp > 1 and tied_embeddings:
-            check_strategies([home], [0], tied_embeddings=True)  # raises: module docstring
+            self.tied = TiedEmbedding(self.home.params.get(TIED_NAME), self.home.groups)
         for key, model in self.models.items():
             if key.layout.pp > 1:
                 # NCCL creates a group's communicator at its first use, collectively; a batched
@@ -663,12 +677,22 @@ class BucketRunner:
                 carry[name].copy_(part.view_as(carry[name]))
         with torch.no_grad():
             for name, param in self.home.params.items():
+                if self.tied is not None and param is self.tied.param:
+                    self.tied.add(carry.pop(name) * self.home_dp)  # summed over the stages
+                    continue
                 add = (carry.pop(name) * self.home_dp).to(param.dtype)
                 if param.grad is None:
                     param.grad = add
                 else:
                     param.grad.add_(add)
         self.carry = None
+
+    def _tied_boundary(self) -> None:
+        """A tied pipelined home's embedding gradients summed over its first and last stage,
+        then DeepSpeed's boundary backward (:mod:`~ds_stpar.seqbucket.tied`)."""
+        self.tied.reduce()
+        params = self.home.params.values()
+        self.tied.boundary(params, lambda scalar: self._backward(True, True, scalar, None))
 
     # ---- one mini-batch --------------------------------------------------------------
     def accumulate(self, plan: MiniBatchPlan) -> StepStats:
@@ -697,7 +721,10 @@ class BucketRunner:
             mbs = self._micro_batches(bucket, model, is_home)
             if is_home and self.carry is not None:
                 self._add_carry()  # before any activation of this bucket exists
-            loss_sum += self._run_micro_batches(model, mbs, is_home, i == last, n)
+            boundary = i == last and self.tied is None
+            loss_sum += self._run_micro_batches(model, mbs, is_home, boundary, n)
+            if i == last and self.tied is not None:
+                self._tied_boundary()
             self._sync()
             t2 = time.perf_counter()
             if not is_home and last_use[key] == i:
