@@ -62,6 +62,10 @@ def _reference_and_layout_change(rank: int, world: int, tmp: Path) -> None:
     layouts = [{"pp": 2}, {"dp": 2}]
     other = _config(tmp, f"other-{rank}.json", layouts, zero=2)
     run(_opts(other, tmp, "other", 4, load=str(tmp / "ref_ckpt" / "step-00000002")))
+    # and under a pipelined home: the model ties its embedding and LM head, so both stages
+    # load a copy of it and must keep them equal through the two optimizer steps
+    tied = _config(tmp, f"tied-pp-{rank}.json", [{"dp": 2}, {"pp": 2}], zero=1)
+    run(_opts(tied, tmp, "tied_pp", 4, load=str(tmp / "ref_ckpt" / "step-00000002")))
 
 
 def _resume_in_one_process(rank: int, world: int, tmp: Path) -> None:
@@ -95,6 +99,9 @@ def test_resume_under_other_layouts_world_sizes_and_after_sigkill(tmp_path):
     other = _rows(tmp_path / "other")
     assert [r["step"] for r in other] == [3, 4]
     _assert_follows(other, ref, "ZeRO 1 tp2-home -> ZeRO 2 dp2-home with a pp2 short bucket")
+    tied = _rows(tmp_path / "tied_pp")
+    assert [r["step"] for r in tied] == [3, 4]
+    _assert_follows(tied, ref, "ZeRO 1 tp2-home -> ZeRO 1 pp2-home (tied embedding), dp2 short")
 
     # SIGKILL the whole launcher process group right after its first checkpoint (mid-step 3),
     # then resume it in ONE process (another world size and layout): same data and losses.
