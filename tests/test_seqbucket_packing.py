@@ -18,7 +18,6 @@ from ds_stpar.seqbucket.packing import (
     additive_mask,
     block_causal_mask,
     collate,
-    pack_best_fit,
     pack_buckets,
     pack_row,
 )
@@ -52,6 +51,11 @@ def reference_bucketed_best_fit(lengths, edges):
 def reference_best_fit(lengths, budget):
     """Textbook best-fit-decreasing with a linear scan, returning rows of piece indices."""
     return [rows for _, rows in reference_bucketed_best_fit(lengths, (budget,))]
+
+
+def pack_best_fit(pieces, budget):
+    """One bucket of :func:`pack_buckets`: rows of ``budget`` tokens."""
+    return pack_buckets(pieces, (budget,))[0]
 
 
 def test_best_fit_decreasing_matches_reference_and_respects_budget():

@@ -731,7 +731,6 @@ class _Planner:
         self.capacity = cluster.gpu.hbm_gib
         self.tokens = train.tokens_per_step
         self.base_rows = cluster.num_gpus * MAX_MICRO_BATCH  # every b x dp divides it
-        self.tied = model.tied_embeddings
         self.layouts: list[Layout] = []  # even stages only (runnable)
         for fam in families(model, cluster, self.tp_modes, allow):
             if not isinstance(fam, tuple) and not fam.first and not fam.last:

@@ -112,11 +112,6 @@ def pack_buckets(pieces: Sequence[Piece], edges: Sequence[int]) -> list[list[Row
     return out
 
 
-def pack_best_fit(pieces: Sequence[Piece], budget: int) -> list[RowPlan]:
-    """Best-fit-decreasing into rows of ``budget`` tokens: one bucket of :func:`pack_buckets`."""
-    return pack_buckets(pieces, (budget,))[0]
-
-
 @dataclass(frozen=True)
 class PackedRow:
     """One packed row of ``T`` tokens (see the module docstring for the layout).
