@@ -138,3 +138,39 @@ def build_gpt(
         # config says; DeepSpeed moves and casts only the model it wraps, so do it here for all.
         gpt = gpt.to(device=torch.cuda.current_device(), dtype=config.params_dtype)
     return gpt
+
+
+class DeferredOutputLayer(torch.nn.Module):
+    """Stands in for a GPTModel's ``output_layer`` (a ColumnParallelLinear without bias) and
+    returns its input: the model's forward then ends at the final norm's hidden states
+    ([b, s, h], or this rank's [b, s/t, h] under sequence parallelism, after GPTModel's
+    [s, b] -> [b, s] transpose), and the loss forms the logits chunk by chunk
+    (:func:`~ds_stpar.layers.cross_entropy.vocab_parallel_linear_cross_entropy`, with
+    :func:`head_weight`). It holds the same ``weight`` Parameter (``None`` where the model's
+    forward passes the tied embedding), so parameter names, attributes and state dicts are
+    unchanged."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        if getattr(layer, "bias", None) is not None:
+            raise ValueError("the deferred LM head takes an output layer without bias")
+        self.weight = layer.weight
+        self.sequence_parallel = layer.sequence_parallel
+        self.tp_group = layer.tp_group
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None):
+        return hidden, None
+
+
+def defer_output_layer(gpt: GPTModel) -> GPTModel:
+    """Give a last-stage ``gpt`` a :class:`DeferredOutputLayer` (in place; returns it)."""
+    if gpt.post_process:
+        gpt.output_layer = DeferredOutputLayer(gpt.output_layer)
+    return gpt
+
+
+def head_weight(gpt: GPTModel) -> torch.Tensor:
+    """The LM head's [V/t, h] rows on a last stage: the tied embedding's, or its own."""
+    if gpt.share_embeddings_and_output_weights:
+        return gpt.shared_embedding_or_output_weight()
+    return gpt.output_layer.weight

@@ -28,8 +28,11 @@ home bucket with every other layout's weights and gradients, which at 32K tokens
 whether a short-bucket DP layout fits next to a TP home at all.
 
 Loss. Every micro-batch's loss is ``sum of its token losses / N``, ``N`` the mini-batch's
-target count (:mod:`~ds_stpar.seqbucket.loss`), computed by
-:func:`~ds_stpar.layers.cross_entropy.vocab_parallel_cross_entropy` over the layout's TP group.
+target count (:mod:`~ds_stpar.seqbucket.loss`), computed with the LM head by
+:func:`~ds_stpar.layers.cross_entropy.vocab_parallel_linear_cross_entropy` over the layout's TP
+group, chunk by chunk (the models' output layers return the hidden states,
+:func:`~ds_stpar.integrations.megatron.defer_output_layer`): the micro-batch's logits never
+exist at once.
 The sum of these over all micro-batches of all ranks is the mean token loss of the
 mini-batch, so the gradient is independent of bucketing, packing and layout.
 
@@ -86,9 +89,8 @@ from torch import Tensor
 
 from ds_stpar.config import Layout, ModelSpec, Strategy, model_key
 from ds_stpar.errors import ConfigError
-from ds_stpar.layers.cross_entropy import vocab_parallel_cross_entropy
+from ds_stpar.layers.cross_entropy import vocab_parallel_linear_cross_entropy
 from ds_stpar.parallel import GroupCache, LayoutGroups
-from ds_stpar.seqbucket.loss import masked_token_loss
 from ds_stpar.seqbucket.packing import PackedBatch, RowPlan, collate
 from ds_stpar.seqbucket.pipeline import PipelineStage
 from ds_stpar.seqbucket.sampler import BucketPlan, MicroBatch, MiniBatchPlan
@@ -336,7 +338,7 @@ def build_layout_models(
     created on first use). The home model is built first, right after seeding, so with CPU
     initialisation its weights depend on the seed only, not on the layout; the others'
     initial weights are irrelevant (switched in before use)."""
-    from ds_stpar.integrations.megatron import build_gpt
+    from ds_stpar.integrations.megatron import build_gpt, defer_output_layer
 
     if not torch.cuda.is_available():
         from ds_stpar.integrations import megatron_cpu
@@ -351,7 +353,7 @@ def build_layout_models(
         groups = cache.get(key.layout)
         if key == model_key(home):
             seed_megatron(seed, groups.tp_index)
-        module = build_gpt(model, key, groups, dtype=dtype, seq_len=seq_len)
+        module = defer_output_layer(build_gpt(model, key, groups, dtype=dtype, seq_len=seq_len))
         models[key] = LayoutModel(key, groups, module, renames=megatron_global_names(module))
     return models
 
@@ -567,6 +569,8 @@ class BucketRunner:
         self, module, model: LayoutModel, mb: MicroBatch, num_targets: int, hidden: Tensor | None
     ) -> Tensor:
         """Megatron-core stage forward: the loss on the last stage, else the hidden state."""
+        from ds_stpar.integrations.megatron import head_weight
+
         batch = collate(mb.rows, self.tokens, self.pad_id)
         ids, positions, labels, params = packed_inputs(batch, self.device)
         if hidden is not None:
@@ -574,8 +578,15 @@ class BucketRunner:
         out = module(ids, positions, None, packed_seq_params=params)
         if model.groups.pp_index < model.strategy.layout.pp - 1:
             return out
-        losses = vocab_parallel_cross_entropy(out, labels, group=model.groups.tp_group)
-        return masked_token_loss(losses, labels, num_targets)
+        gpt = model.module  # out: the final norm's hidden states (defer_output_layer)
+        return vocab_parallel_linear_cross_entropy(
+            out,
+            head_weight(gpt),
+            labels,
+            num_targets,
+            group=model.groups.tp_group,
+            sequence_parallel=gpt.output_layer.sequence_parallel,
+        )
 
     def _forward(
         self, module, model: LayoutModel, mb: MicroBatch, num_targets: int, hidden: Tensor | None
