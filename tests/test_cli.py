@@ -209,12 +209,16 @@ def test_out_writes_a_layout_the_training_loop_runs(capsys, tmp_path):
     assert f"ds_stpar.json holds {loop.strategy.short()}, the fastest layout" in out
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_out_writes_the_fastest_layout_the_loop_runs(capsys, tmp_path, tied):
-    # llama-4b at 32K on 2 GPUs over a 21 GB/s link, on the loop's stack: for the untied
-    # model a 2-stage pipeline, also the published stack's fastest; the tied model is 0.4 B
-    # parameters smaller, and DP2 with ZeRO-2 fits it and beats its pipeline (which the loop
-    # runs too), so ds_stpar.json holds another layout than the ranking's first and says so
+@pytest.mark.parametrize(
+    "tied, seq, rows", [(False, 4096, 64), (True, 32768, 8)], ids=["untied-4k", "tied-32k"]
+)
+def test_out_writes_the_fastest_layout_the_loop_runs(capsys, tmp_path, tied, seq, rows):
+    # llama-4b on 2 GPUs over a 21 GB/s link, on the loop's stack: DP2 with ZeRO-1 is the
+    # fastest layout the loop runs. At 4K tokens it is the published stack's fastest too; at
+    # 32K the published stack's logits (8 bytes each, whole) leave DP2 no room, its fastest
+    # is a 2-stage pipeline, and the loop's chunked head fits DP2 and beats that pipeline
+    # (which the loop runs too): ds_stpar.json holds another layout than the ranking's first
+    # and says so
     from ds_stpar.config import ClusterSpec, ModelSpec, TrainSpec, load_gpu
     from ds_stpar.planner.buckets import runnable
     from ds_stpar.planner.profile import Calibration
@@ -229,35 +233,34 @@ def test_out_writes_the_fastest_layout_the_loop_runs(capsys, tmp_path, tied):
     assert model.tied_embeddings is tied
     gpu = load_gpu("h100-80g", nvlink_gbs=21.0)
     local = Calibration.load_default("h100-80g", stack="megatron-core-local")
-    every = search(
-        model, ClusterSpec(gpu, 2), TrainSpec(32768, 8), top_k=1 << 30, calibration=local
-    )
+    train = TrainSpec(seq, rows)
+    every = search(model, ClusterSpec(gpu, 2), train, top_k=1 << 30, calibration=local)
     loop = next(e for e in every.top if runnable(e.strategy))
-    assert loop.strategy.layout == (Layout(dp=2) if tied else Layout(pp=2))
+    assert loop.strategy.layout == Layout(dp=2) and loop.strategy.zero == 1
+    published = search(model, ClusterSpec(gpu, 2), train, top_k=1).top[0]
+    argv = ["plan", "--model", str(path), "--gpus", "2", "--seq-len", str(seq)]
+    argv += ["--global-batch", str(rows), "--nvlink-gbs", "21", "--out", str(tmp_path / "plan")]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    written = StparConfig.from_deepspeed_json(str(tmp_path / "plan" / "ds_stpar.json"))
+    assert written.home == loop.strategy
     if tied:
+        assert published.strategy.layout == Layout(pp=2)
         pipeline = next(
             e
             for e in every.top
             if e.strategy == dataclasses.replace(loop.strategy, layout=Layout(pp=2), zero=0)
         )
         assert runnable(pipeline.strategy) and pipeline.step_time_s > loop.step_time_s
-    argv = ["plan", "--model", str(path), "--gpus", "2", "--seq-len", "32768"]
-    argv += ["--global-batch", "8", "--nvlink-gbs", "21", "--out", str(tmp_path / "plan")]
-    code, out, err = run(capsys, *argv)
-    assert code == 0, err
-    written = StparConfig.from_deepspeed_json(str(tmp_path / "plan" / "ds_stpar.json"))
-    assert written.home == loop.strategy
-    # the published stack's fastest is the untied model's loop layout too; the tied model's
-    # loop layout differs from it, and the output says which one ds_stpar.json holds
-    if tied:
         assert f"(megatron-core local modules, {LOOP_RULE})" in out
     else:
+        assert published.strategy == loop.strategy
         assert "ds_stpar.json holds" not in out and "best: " + loop.strategy.short() in out
 
 
 def test_out_writes_the_loops_layout_where_the_published_stack_fits_nothing(capsys, tmp_path):
     # llama-4b (untied) at 64K on 2 GPUs: no layout fits the published Megatron-LM stack's
-    # memory (8 bytes per logit), the loop's local modules (6 bytes) fit TP2 ring; --out
+    # memory (8 bytes per logit), the loop's chunked head fits DP2 with ZeRO-1; --out
     # writes ds_stpar.json for it and megatron_args.txt for the closest, marked as not
     # fitting. Without --out or --data there is nothing to write: the does-not-fit error.
     from ds_stpar.config import ClusterSpec, ModelSpec, TrainSpec, load_gpu
@@ -272,7 +275,7 @@ def test_out_writes_the_loops_layout_where_the_published_stack_fits_nothing(caps
     assert code == 0, err
     cluster = ClusterSpec(load_gpu("h100-80g", nvlink_gbs=21.0), 2)
     loop = emit.loop_estimate(ModelSpec.load(path), cluster, TrainSpec(65536, 8))
-    assert loop.strategy.layout.tp == 2 and loop.fits
+    assert loop.strategy.layout == Layout(dp=2) and loop.strategy.zero == 1 and loop.fits
     assert "Megatron-LM stack: no layout of llama-4b-untied-64k" in out
     assert f"local modules) fits {loop.strategy.short()}" in out
     written = StparConfig.from_deepspeed_json(str(tmp_path / "plan" / "ds_stpar.json"))

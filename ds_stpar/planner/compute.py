@@ -28,9 +28,11 @@ runs) computes the whole s x s score matrix and masks it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ds_stpar.config import GPUSpec, ModelSpec
+from ds_stpar.layers.cross_entropy import chunk_tokens
 from ds_stpar.planner.memory import norm_stat_bytes
 from ds_stpar.planner.profile import Calibration, Profile
 
@@ -256,8 +258,7 @@ def embedding(model: ModelSpec, tokens: float, speed: Speed, tp: int = 1) -> Pha
 
 NORM_BACKWARD_PASSES = 5  # dX: read dY, X, write dX; dgamma/dbeta: read dY, X again
 MAIN_GRAD_BYTES = 10  # main_grad.add_(grad): read bf16 grad 2 + fp32 main grad 4, write 4
-CE_FORWARD_BYTES = 4 + 4 + 8 + 8 + 4 + 8  # + e: .float(), max, sub_, exp_, sum, div_
-CE_BACKWARD_BYTES = 8 + 4  # + e: mul_ by the loss gradient, cast of the gradient to e bytes
+CE_BYTES = 4 + 4 + 8 + 8 + 4 + 8 + 8 + 4  # + 2e: .float(), max, sub_, exp_, sum, div_, mul_, cast
 
 
 def local_block_elementwise(
@@ -314,21 +315,27 @@ def main_grad_accumulation(params: float, speed: Speed) -> float:
 
 
 def local_lm_head(model: ModelSpec, tokens: float, tp: int, speed: Speed) -> Phase:
-    """Final norm, LM head GEMM and megatron-core's unfused vocab-parallel cross entropy.
+    """Final norm, then the LM head and its vocab-parallel cross entropy chunk by chunk
+    (:mod:`ds_stpar.layers.cross_entropy`): the three GEMMs and every pass over the logits run
+    in the forward.
 
-    Per logit (T V / t on this GPU): forward ``logits.float()`` (read e, write 4), max (4),
-    ``-= max`` (8), ``exp`` in place (8), sum (4), ``div_`` (8): 36 + e; backward
-    ``mul_`` by the loss gradient (8) and the cast of the gradient back to e bytes (4 + e);
-    at ``memory_efficiency`` (large contiguous tensors).
+    Per logit (T V / t on this GPU): read the e-byte GEMM output and write fp32 (e + 4), max
+    (4), ``-= max`` (8), ``exp_`` (8), sum (4), ``div_`` (8), ``mul_`` by 1/N (8), cast to e
+    (4 + e): ``CE_BYTES`` + 2e. Per chunk the weight gradient's e-byte GEMM output is added
+    into fp32 (2e + 8 per weight). The backward scales the saved input gradient (2e per hidden
+    element) and weight gradient (8 per weight) and casts the latter (4 + e). All at
+    ``memory_efficiency`` (large contiguous tensors).
     """
     h, e = model.hidden_size, speed.e
-    fwd, bwd = forward_backward(Gemm(tokens, model.vocab_size / tp, h))
-    logits = tokens * model.vocab_size / tp
+    vocab = model.vocab_size / tp
+    fwd, bwd = forward_backward(Gemm(tokens, vocab, h))
+    logits, weights = tokens * vocab, vocab * h
+    chunks = math.ceil(tokens / chunk_tokens(math.ceil(vocab), e))
     norm = 2 * e * h + norm_stat_bytes(model)
+    forward = (CE_BYTES + 2 * e) * logits + chunks * (2 * e + 8) * weights + tokens * norm
+    backward = (12 + e) * weights + tokens * (2 + NORM_BACKWARD_PASSES) * e * h
     return Phase(
-        speed.gemms(fwd) + speed.memory((CE_FORWARD_BYTES + e) * logits + tokens * norm),
-        speed.gemms(bwd)
-        + speed.memory((CE_BACKWARD_BYTES + e) * logits + tokens * NORM_BACKWARD_PASSES * e * h),
+        speed.gemms(fwd) + speed.gemms(bwd) + speed.memory(forward), speed.memory(backward)
     )
 
 

@@ -47,6 +47,7 @@ from ds_stpar.config import (
     stage_layers,
 )
 from ds_stpar.errors import ConfigError
+from ds_stpar.layers.cross_entropy import chunk_tokens
 from ds_stpar.planner import memory as mem
 from ds_stpar.planner.comm import Placement, placement
 from ds_stpar.planner.compute import (
@@ -306,13 +307,18 @@ def block_cost(ctx: _Context) -> BlockCost:
 def edge_comm(ctx: _Context) -> tuple[float, float]:
     """Exposed TP communication of the vocab-parallel embedding (first stage: reduction of
     its output, all-reduce or reduce-scatter) and LM head (last stage: gather of its input
-    and reduction of its input gradient, plus three all-reduces of T fp32 for the
-    vocab-parallel cross entropy)."""
+    and reduction of its input gradient, plus the vocab-parallel cross entropy's all-reduces:
+    three of T fp32, or on the local stack two per chunk of C tokens, of C and 2C fp32)."""
     if ctx.t == 1:
         return 0.0, 0.0
     link = ctx.links.tp
     size = ctx.e * ctx.tokens * ctx.model.hidden_size
-    loss = 3 * link.all_reduce(4 * ctx.tokens)
+    if ctx.cal.local:
+        chunk = min(ctx.tokens, chunk_tokens(math.ceil(ctx.model.vocab_size / ctx.t), ctx.e))
+        chunks = math.ceil(ctx.tokens / chunk)
+        loss = chunks * (link.all_reduce(4 * chunk) + link.all_reduce(8 * chunk))
+    else:
+        loss = 3 * link.all_reduce(4 * ctx.tokens)
     if ctx.sharded:
         return link.reduce_scatter(size), link.all_gather(size) + link.reduce_scatter(size) + loss
     return link.all_reduce(size), link.all_reduce(size) + loss
@@ -590,11 +596,7 @@ def stage_memory(ctx: _Context, stage: int, psi: float) -> dict[str, float]:
     recomputed = 0.0
     if ctx.strategy.recompute == "full":
         recomputed = mem.layer_activation_bytes(acts, ctx.tokens, ctx.t, ctx.sharded, "none")
-    head = 0.0
-    if stage == ctx.p - 1:
-        head = ctx.tokens * (
-            2 * ctx.e * h / r + head_bytes_per_logit(ctx) * model.vocab_size / ctx.t
-        )
+    head = head_bytes(ctx) if stage == ctx.p - 1 else 0.0
     activations += max(recomputed, head)
     buffers = tp_buffer_bytes(ctx)
     if ctx.p > 1:
@@ -616,12 +618,24 @@ def stage_memory(ctx: _Context, stage: int, psi: float) -> dict[str, float]:
     }
 
 
-def head_bytes_per_logit(ctx: _Context) -> float:
-    """Bytes per logit held at the loss: the fused stack keeps the e-byte logits, their fp32
-    softmax and its gradient (2e + 4); megatron-core's local cross entropy casts the e-byte
-    logits to fp32 (e + 4 while both live), works in place on the fp32 copy, and in backward
-    casts its fp32 gradient back to e bytes (4 + e again)."""
-    return ctx.e + 4 if ctx.cal.local else 2 * ctx.e + 4
+def head_bytes(ctx: _Context) -> float:
+    """Bytes held at the loss on the last stage, beside its in-flight activations.
+
+    Fused stack: the e-byte logits, their fp32 softmax and its gradient (2e + 4 per logit),
+    with the final norm's output and the head's input (2e per hidden element, [T/t] each
+    under sequence parallelism). Local stack (:mod:`ds_stpar.layers.cross_entropy`): one
+    chunk of C tokens' logit tensors (2e + 4 per logit), the fp32 weight gradient and one
+    chunk's e-byte contribution ((4 + e) V h / t), the head's input (e T h / t under sequence
+    parallelism, which it gathers: e T h more) and the full input gradient (e T h).
+    """
+    model, e, t, tokens = ctx.model, ctx.e, ctx.t, ctx.tokens
+    h, vocab = model.hidden_size, model.vocab_size / t
+    r = t if ctx.sharded else 1
+    if not ctx.cal.local:
+        return tokens * (2 * e * h / r + (2 * e + 4) * vocab)
+    chunk = min(tokens, chunk_tokens(math.ceil(vocab), e))
+    hidden = e * tokens * h * (1 / r + (1 if r > 1 else 0) + 1)
+    return hidden + (4 + e) * vocab * h + (2 * e + 4) * chunk * vocab
 
 
 def optimizer_step_bytes(ctx: _Context, psi: float) -> float:
