@@ -109,8 +109,12 @@ def test_planned_scheduler_gives_way_to_training_arguments(tmp_path) -> None:
 
     path = ROOT / "configs" / "gpt3-1.3b-2xh100.json"
     ds, cfg = json.loads(path.read_text()), StparConfig.from_deepspeed_json(str(path))
-    args = TrainingArguments(
-        output_dir=str(tmp_path), max_steps=1000, warmup_steps=10, learning_rate=1e-4
+    args = TrainingArguments(  # the plan's micro-batch, which transformers checks as well
+        output_dir=str(tmp_path),
+        max_steps=1000,
+        warmup_steps=10,
+        learning_rate=1e-4,
+        per_device_train_batch_size=ds["train_micro_batch_size_per_gpu"],
     )
 
     def finalized(config: dict) -> dict:
