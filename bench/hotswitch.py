@@ -19,8 +19,9 @@ for the same model, corpus, context and tokens per step:
 another version of the planner or with other options), run and reported like the others from
 the prediction it records (``extra.predicted``).
 
-Each plan runs ``--steps`` optimizer steps through the DeepSpeed launcher (``--num_gpus``, or
-``--launcher-args`` to pick GPUs and a port for a second run beside the first) on the same corpus
+Each plan runs ``--steps`` optimizer steps (in the data order of ``--seed``) through the
+DeepSpeed launcher (``--num_gpus``, or ``--launcher-args`` to pick GPUs and a port for a
+second run beside the first) on the same corpus
 (``--stdlib-files`` of the Python standard library, written once as JSON lines; or ``--data``).
 The table compares, per plan, the planner's predicted step and switch time (the switch planner's
 bandwidth bound) with the measured means of ``metrics.jsonl`` (the first step excluded: it
@@ -116,7 +117,7 @@ def train(name: str, report: dict, args: argparse.Namespace, corpus: str) -> dic
     launcher = shlex.split(args.launcher_args) or ["--num_gpus", str(args.gpus)]
     cmd = ["deepspeed", *launcher, "launch/pretrain.py"]
     cmd += ["--config", report["config"], "--data", corpus, "--tokenizer", args.tokenizer]
-    cmd += ["--steps", str(args.steps)]
+    cmd += ["--steps", str(args.steps), "--seed", str(args.seed)]
     cmd += ["--out", run_dir]
     with open(os.path.join(args.out, f"{name}.log"), "w") as log:
         code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -189,6 +190,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq-len", type=int, default=32768)
     parser.add_argument("--global-batch-tokens", type=int, default=262144)
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps per plan")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=1234,
+        help="launch/pretrain.py's seed (model init and data order): another seed runs other "
+        "steps of the corpus, to add timed steps to an earlier call's",
+    )
     parser.add_argument("--tp-modes", nargs="+", default=["megatron"])
     parser.add_argument("--edge", type=int, default=4096, help="smallest short-bucket edge")
     parser.add_argument("--gpu", help="planner GPU preset (default: from the device name)")
