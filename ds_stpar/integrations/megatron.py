@@ -156,7 +156,6 @@ class DeferredOutputLayer(torch.nn.Module):
             raise ValueError("the deferred LM head takes an output layer without bias")
         self.weight = layer.weight
         self.sequence_parallel = layer.sequence_parallel
-        self.tp_group = layer.tp_group
 
     def forward(self, hidden, weight=None, runtime_gather_output=None):
         return hidden, None

@@ -314,6 +314,12 @@ def main_grad_accumulation(params: float, speed: Speed) -> float:
     return speed.elementwise(MAIN_GRAD_BYTES * params)
 
 
+def head_chunk(model: ModelSpec, tokens: float, tp: int, e: int) -> float:
+    """Tokens per chunk of the local stack's LM head (:func:`chunk_tokens` at this GPU's
+    vocabulary slice), at most the micro-batch's."""
+    return min(tokens, chunk_tokens(math.ceil(model.vocab_size / tp), e))
+
+
 def local_lm_head(model: ModelSpec, tokens: float, tp: int, speed: Speed) -> Phase:
     """Final norm, then the LM head and its vocab-parallel cross entropy chunk by chunk
     (:mod:`ds_stpar.layers.cross_entropy`): the three GEMMs and every pass over the logits run
@@ -330,7 +336,7 @@ def local_lm_head(model: ModelSpec, tokens: float, tp: int, speed: Speed) -> Pha
     vocab = model.vocab_size / tp
     fwd, bwd = forward_backward(Gemm(tokens, vocab, h))
     logits, weights = tokens * vocab, vocab * h
-    chunks = math.ceil(tokens / chunk_tokens(math.ceil(vocab), e))
+    chunks = math.ceil(tokens / head_chunk(model, tokens, tp, e))
     norm = 2 * e * h + norm_stat_bytes(model)
     forward = (CE_BYTES + 2 * e) * logits + chunks * (2 * e + 8) * weights + tokens * norm
     backward = (12 + e) * weights + tokens * (2 + NORM_BACKWARD_PASSES) * e * h

@@ -47,7 +47,6 @@ from ds_stpar.config import (
     stage_layers,
 )
 from ds_stpar.errors import ConfigError
-from ds_stpar.layers.cross_entropy import chunk_tokens
 from ds_stpar.planner import memory as mem
 from ds_stpar.planner.comm import Placement, placement
 from ds_stpar.planner.compute import (
@@ -56,6 +55,7 @@ from ds_stpar.planner.compute import (
     attention_core,
     block_elementwise,
     embedding,
+    head_chunk,
     main_grad_accumulation,
 )
 from ds_stpar.planner.compute import lm_head as lm_head_time
@@ -314,7 +314,7 @@ def edge_comm(ctx: _Context) -> tuple[float, float]:
     link = ctx.links.tp
     size = ctx.e * ctx.tokens * ctx.model.hidden_size
     if ctx.cal.local:
-        chunk = min(ctx.tokens, chunk_tokens(math.ceil(ctx.model.vocab_size / ctx.t), ctx.e))
+        chunk = head_chunk(ctx.model, ctx.tokens, ctx.t, ctx.e)
         chunks = math.ceil(ctx.tokens / chunk)
         loss = chunks * (link.all_reduce(4 * chunk) + link.all_reduce(8 * chunk))
     else:
@@ -633,7 +633,7 @@ def head_bytes(ctx: _Context) -> float:
     r = t if ctx.sharded else 1
     if not ctx.cal.local:
         return tokens * (2 * e * h / r + (2 * e + 4) * vocab)
-    chunk = min(tokens, chunk_tokens(math.ceil(vocab), e))
+    chunk = head_chunk(model, tokens, t, e)
     hidden = e * tokens * h * (1 / r + (1 if r > 1 else 0) + 1)
     return hidden + (4 + e) * vocab * h + (2 * e + 4) * chunk * vocab
 
