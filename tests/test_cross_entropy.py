@@ -93,5 +93,7 @@ def test_chunk_tokens_and_bad_input():
     x, w = torch.randn(1, 4, H), torch.randn(V, H)
     with pytest.raises(ConfigError, match="num_targets"):
         vocab_parallel_linear_cross_entropy(x, w, torch.zeros(1, 4, dtype=torch.long), 0)
+    with pytest.raises(ValueError, match="vs weight"):
+        vocab_parallel_linear_cross_entropy(x, torch.randn(V, H + 1), torch.zeros(1, 4).long(), 4)
     with pytest.raises(ValueError, match="do not match labels"):
         vocab_parallel_linear_cross_entropy(x, w, torch.zeros(1, 5, dtype=torch.long), 4)
