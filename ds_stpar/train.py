@@ -11,8 +11,8 @@ engine of the home layout and the :class:`~ds_stpar.seqbucket.runner.BucketRunne
 Rank 0 shows a progress bar (plain lines when stderr is not a terminal), writes the resolved
 config to ``<out>/config.json`` and appends one JSON object per step to
 ``<out>/metrics.jsonl``: step, epoch, mini_batch, loss (mean token loss of the mini-batch),
-tokens, targets, step_s, switch_s, optimizer_s, bucket_s (per bucket edge), micro_batches,
-layouts, switches, tokens_per_s, tflops (model FLOPs per second per process, the planner's
+tokens, targets, step_s, switch_s, optimizer_s, bucket_s (per bucket edge), micro_batches
+(per DP rank), bucket_tokens (real tokens, all ranks), layouts, switches, tokens_per_s, tflops (model FLOPs per second per process, the planner's
 convention: 6 x parameters-in-linears x tokens + LM head + full-square attention per document
 piece; pad tokens not counted), mfu (GPU only: against the config's GPU peak; null on CPU)
 and lr: the learning rate of the step's update, read before ``engine.step()``. DeepSpeed

@@ -27,7 +27,7 @@ from ds_stpar.config import Bucket, Layout, ModelSpec, StparConfig, Strategy, Tr
 from ds_stpar.errors import ConfigError  # noqa: E402
 from ds_stpar.hf import StparTrainer  # noqa: E402
 from ds_stpar.seqbucket.data import Documents  # noqa: E402
-from ds_stpar.seqbucket.packing import collate  # noqa: E402
+from ds_stpar.seqbucket.packing import collate, token_multiple  # noqa: E402
 from ds_stpar.seqbucket.sampler import BucketSampler  # noqa: E402
 
 VOCAB, T, STEPS, ROWS = 64, 32, 6, 4  # vocabulary, context, optimizer steps, rows per step
@@ -114,7 +114,8 @@ def reference_rows() -> list[dict]:
         assert bucket.num_micro_batches == 2
         for k in range(2):
             for rank in range(2):
-                batch = collate(bucket.ranks[rank][k].rows, docs.__getitem__, 0)
+                # as the runner feeds it: the row's pieces, padded to a multiple of 8 tokens
+                batch = collate(bucket.ranks[rank][k].rows, docs.__getitem__, 0, token_multiple(1))
                 rows.append(
                     {
                         "input_ids": batch.input_ids[0],

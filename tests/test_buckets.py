@@ -1,8 +1,9 @@
 """Bucket planning (planner/buckets.py) and the ``ds-stpar buckets`` / ``plan --data`` commands.
 
 References are computed here, independently of the planner: token counts from the documents
-themselves, rows per step from the token shares, times from ``cost.estimate`` at the two
-integer micro-batch counts around the expected one, switch costs from the switch planner on
+themselves, rows per step from the token shares, times from ``cost.estimate`` at two
+integer micro-batch counts, interpolated to the expected work (the loop computes real tokens
+only) and micro-batches run (:func:`_loop_timing`), switch costs from the switch planner on
 the full model, the static layout from ``search``. Data whose rows each hold one document of
 exactly the bucket edge make the packing efficiency and attention ratio exactly 1, so the
 plain cost model applies. Floats computed in another order agree to a relative 1e-9.
@@ -38,6 +39,7 @@ from ds_stpar.planner.profile import Calibration
 from ds_stpar.planner.search import search
 from ds_stpar.planner.tensor_parallel import head_seqs
 from ds_stpar.seqbucket.corpus import stdlib_documents, stdlib_root, write_jsonl
+from ds_stpar.seqbucket.packing import Piece, pack_buckets
 from ds_stpar.seqbucket.switch import switch_cost_s
 
 REL = 1e-9  # same formulas, another summation order
@@ -75,13 +77,54 @@ def _timing(
     model: ModelSpec = MODEL,
     cluster: ClusterSpec = H100x2,
     cal: Calibration | None = None,
+    reductions: float | None = None,
+    ratio: float = 1.0,
+    points: tuple[int, int] = (1, 2),
 ) -> tuple[float, float]:
-    """(forward + backward, DP reduction + optimizer) seconds at a fractional m, from the cost
-    model at m = 1 and m = 2 (it is affine in m)."""
+    """(forward + backward, DP reduction + optimizer) seconds at a fractional m (the DP
+    reduction at ``reductions`` micro-batches, default m), from the cost model at the two
+    micro-batch counts ``points`` (it is affine in m), flash attention at ``ratio``."""
     u = strategy.layout.dp * strategy.micro_batch
-    one, two = (estimate(model, cluster, TrainSpec(edge, k * u), strategy, cal) for k in (1, 2))
+    m1, m2 = points
+
+    def at(k: int):  # the plain cost model at full attention, the packed one below
+        train = TrainSpec(edge, k * u)
+        if ratio == 1.0:
+            return estimate(model, cluster, train, strategy, cal)
+        return bk.packed_estimate(model, cluster, train, strategy, ratio, cal)
+
+    one, two = at(m1), at(m2)
     (p1, u1), (p2, u2) = _parts(one), _parts(two)
-    return p1 + (micro_batches - 1) * (p2 - p1), u1 + (micro_batches - 1) * (u2 - u1)
+    r = micro_batches if reductions is None else reductions
+    return (
+        p1 + (micro_batches - m1) / (m2 - m1) * (p2 - p1),
+        u1 + (r - m1) / (m2 - m1) * (u2 - u1),
+    )
+
+
+def _loop_timing(
+    strategy: Strategy,
+    edge: int,
+    rows: float,
+    efficiency: float = 1.0,
+    ratio: float = 1.0,
+    model: ModelSpec = MODEL,
+    cluster: ClusterSpec = H100x2,
+    cal: Calibration | None = None,
+) -> tuple[float, float]:
+    """:func:`_timing` of a bucket of ``rows`` expected packed rows of ``edge`` tokens per
+    step, ``efficiency`` of them real, under the training loop: it computes the real tokens
+    only (collate drops the rows' padding; padding rows cost nothing), so forward + backward
+    is the slowest DP rank's E[ceil(R / dp)] = rows / dp + (dp - 1) / (2 dp) rows of
+    ``efficiency x edge`` tokens, in micro-batches of b; the DP reduction runs once per
+    micro-batch run (ZeRO-2), E[ceil(R / u)] = rows / u + (u - 1) / (2u) of them (u = dp b),
+    at least one. ``ratio``: flash attention's share of full rows over the work."""
+    dp, b = strategy.layout.dp, strategy.micro_batch
+    u = dp * b
+    work = (rows / dp + (dp - 1) / (2 * dp)) * efficiency / b
+    runs = max(1.0, rows / u + (u - 1) / (2 * u))
+    pp = strategy.layout.pp if strategy.vpp_layers else 1  # rule 5: m % pp == 0
+    return _timing(strategy, edge, work, model, cluster, cal, runs, ratio, (pp, 2 * pp))
 
 
 def test_long_sequences_force_tensor_parallelism_short_ones_run_data_parallel(skewed_plan):
@@ -112,12 +155,15 @@ def test_bucketed_step_is_the_sum_of_its_parts(skewed_plan):
         assert bucket.tokens == lengths[lengths == bucket.edge].sum()
         assert bucket.packing_efficiency == 1.0 and bucket.attention_ratio == 1.0
         assert bucket.rows == pytest.approx(expected_rows[bucket.edge], rel=REL)
-        # the runner pads every DP rank to ceil(rows / u) micro-batches of u = dp b rows; with
+        # the runner gives every DP rank ceil(rows / u) micro-batches of u = dp b rows; with
         # the remainder spread evenly that is rows / u + (u - 1) / (2u) on average
         u = s.layout.dp * s.micro_batch
         m = max(1.0, bucket.rows / u + (u - 1) / (2 * u))
         assert bucket.micro_batches == pytest.approx(m, rel=REL)
-        seconds, update = _timing(s, bucket.edge, m)
+        # but computes real tokens only: the slowest rank's ceil(rows / dp) rows, here full
+        dp = s.layout.dp
+        work = (bucket.rows / dp + (dp - 1) / (2 * dp)) / s.micro_batch
+        seconds, update = _timing(s, bucket.edge, work, reductions=m)
         assert bucket.time_s == pytest.approx(seconds, rel=REL)
         total += seconds
         if bucket is plan.home:
@@ -230,6 +276,8 @@ def test_only_full_length_documents_give_the_static_layout():
     assert plan.note
     # searched, not assumed: the best of the planner's own search for 64 rows of SEQ
     best = search(MODEL, H100x2, TRAIN, top_k=1).top[0]
+    # without DP the loop's work is the search's: 64 full rows, 64 / b micro-batches
+    assert best.strategy.layout.dp == 1
     assert plan.static.strategy == best.strategy
     assert plan.static_step_s == pytest.approx(best.step_time_s, rel=REL)
 
@@ -244,10 +292,18 @@ def test_static_baseline_is_what_the_training_loop_runs():
     plan = bk.plan_buckets(np.full(200, 8192), model, H100x2, train)
     ranked = search(model, H100x2, train, top_k=bk.ALL).top
     assert ranked[0].strategy.zero == 3 and not bk.runnable(ranked[0].strategy)
-    best_runnable = next(e for e in ranked if _loop_runs(e.strategy))
-    assert plan.static.strategy == best_runnable.strategy
-    assert plan.static_step_s == pytest.approx(best_runnable.step_time_s, rel=REL)
+    # every candidate timed as the loop runs the step (64 rows of 8192, all real): the
+    # slowest DP rank's E[ceil(64 / dp)] rows, not the search's fixed 64 / dp
+    timed = sorted(
+        (sum(_loop_timing(e.strategy, 8192, 64, model=model)), e.strategy.short(), e.strategy)
+        for e in ranked
+    )
+    step_s, _, best_runnable = next(t for t in timed if _loop_runs(t[2]))
+    assert plan.static.strategy == best_runnable
+    assert plan.static_step_s == pytest.approx(step_s, rel=REL)
+    assert timed[0][2] == ranked[0].strategy  # still the fastest of all, named in the note
     assert ranked[0].strategy.short() in plan.note and "ZeRO-3 shards" in plan.note
+    assert f"{timed[0][0]:.3f} s per step" in plan.note
     # one sentence per clause, none left dangling
     assert not plan.note.rstrip().endswith(";") and "; ;" not in plan.note
 
@@ -294,59 +350,82 @@ def test_what_the_training_loop_runs(strategy, reason):
 
 def test_the_static_layout_is_the_fastest_the_loop_runs():
     # documents of 8192 tokens, four to a row (attention ratio 1/4): the static layout is the
-    # fastest strategy of the search that the loop runs, each timed at that ratio. On GPUs
-    # with 52 GiB to spend the untied model's is a 2-stage pipeline; with 56 GiB the tied
-    # model file (0.4 B parameters fewer) fits DP2 with ZeRO-2. The fastest of all
-    # interleaves the two stages (one layer per virtual stage); the note names it and why the
-    # loop cannot hold it as its home. (With the whole 74.5 GiB both take DP2 with ZeRO-1,
-    # the fastest of all.)
+    # fastest strategy of the search that the loop runs, each timed at that ratio as the loop
+    # runs it (_loop_timing). On GPUs with 52 GiB to spend the untied model's is a 2-stage
+    # pipeline; with 56 GiB the tied model file (0.4 B parameters fewer) fits DP2 with
+    # ZeRO-2. The fastest of all interleaves the two stages (one layer per virtual stage);
+    # the note names it and why the loop cannot hold it as its home. (With the whole
+    # 74.5 GiB both take DP2 with ZeRO-1, the fastest of all.) The link is 50 GB/s, not the
+    # 21 of SLOW2: DP2's slowest rank is charged E[ceil(8 / 2)] = 4.25 of the step's 8 rows
+    # (the loop's rows vary from step to step), which on 21 GB/s puts DP2 with ZeRO-2 behind
+    # the plain pipeline and DP2 with ZeRO-1 behind the interleaved one.
     lengths = np.full(400, 8192)
+    gpu = dataclasses.replace(SLOW2.gpu, nvlink_gbs=50.0)
     clusters = {
-        model: ClusterSpec(dataclasses.replace(SLOW2.gpu, hbm_gib=hbm), 2)
+        model: ClusterSpec(dataclasses.replace(gpu, hbm_gib=hbm), 2)
         for model, hbm in ((UNTIED4B, 52.0), (TIED4B, 56.0))
     }
-    best = {}
-    for model, cluster in clusters.items():
+    full_cluster = ClusterSpec(gpu, 2)
+
+    def best(model, cluster):
+        """(fastest, fastest the loop runs): (seconds, strategy) of the search's candidates."""
         ranked = search(model, cluster, STEP8, top_k=bk.ALL, calibration=LOCAL).top
-        timed = [bk.packed_estimate(model, cluster, STEP8, e.strategy, 0.25, LOCAL) for e in ranked]
-        timed.sort(key=lambda e: e.step_time_s)
-        best[model] = (
-            timed[0],
-            next(e for e in timed if _loop_runs(e.strategy)),
+        timed = sorted(
+            (
+                (
+                    sum(_loop_timing(e.strategy, SEQ, 8, 1.0, 0.25, model, cluster, LOCAL)),
+                    e.strategy,
+                )
+                for e in ranked
+            ),
+            key=lambda t: (t[0], t[1].short()),
         )
+        return timed[0], next(t for t in timed if _loop_runs(t[1]))
+
     untied = bk.plan_buckets(lengths, UNTIED4B, clusters[UNTIED4B], STEP8, calibration=LOCAL)
-    fastest, runs = best[UNTIED4B]
+    (_, fastest), (step_s, runs) = best(UNTIED4B, clusters[UNTIED4B])
     assert untied.static.attention_ratio == 0.25 and untied.static.micro_batches == 8
-    assert untied.static.strategy == runs.strategy
+    assert untied.static.strategy == runs
     assert untied.static.strategy.layout == Layout(pp=2)
-    assert fastest.strategy == dataclasses.replace(runs.strategy, vpp_layers=1)
-    assert untied.static_step_s == pytest.approx(runs.step_time_s, rel=REL)
+    assert fastest == dataclasses.replace(runs, vpp_layers=1)
+    assert untied.static_step_s == pytest.approx(step_s, rel=REL)
     assert untied.home.strategy == untied.static.strategy
-    assert fastest.strategy.short() in untied.note and "does not interleave" in untied.note
+    assert fastest.short() in untied.note and "does not interleave" in untied.note
     tied = bk.plan_buckets(lengths, TIED4B, clusters[TIED4B], STEP8, calibration=LOCAL)
-    fastest, runs = best[TIED4B]
-    assert tied.static.strategy == runs.strategy and runs.strategy.layout == Layout(dp=2)
-    assert runs.strategy.zero == 2
-    assert tied.static_step_s == pytest.approx(runs.step_time_s, rel=REL)
-    assert fastest.strategy.layout == Layout(pp=2) and fastest.strategy.short() in tied.note
+    (_, fastest), (step_s, runs) = best(TIED4B, clusters[TIED4B])
+    assert tied.static.strategy == runs and runs.layout == Layout(dp=2) and runs.zero == 2
+    assert tied.static_step_s == pytest.approx(step_s, rel=REL)
+    # the loop runs DP2 as 4.25 micro-batches per rank (of one row), ZeRO-2 reduce-scatters
+    # after every one of them
+    assert tied.static.micro_batches == pytest.approx(8 / 2 + 1 / 4, rel=REL)
+    assert fastest.layout == Layout(pp=2) and fastest.short() in tied.note
     assert "does not interleave" in tied.note
-    full = bk.plan_buckets(lengths, TIED4B, SLOW2, STEP8, calibration=LOCAL)
-    assert full.static.strategy.layout == Layout(dp=2) and full.static.strategy.zero == 1
+    full = bk.plan_buckets(lengths, TIED4B, full_cluster, STEP8, calibration=LOCAL)
+    (_, fastest), (step_s, runs) = best(TIED4B, full_cluster)
+    assert full.static.strategy == runs == fastest
+    assert runs.layout == Layout(dp=2) and runs.zero == 1
+    assert full.static_step_s == pytest.approx(step_s, rel=REL)
     assert "does not interleave" not in full.note
 
 
 def test_a_tied_model_runs_pipelines_at_home_and_in_a_short_bucket():
-    # 80% of the tokens in documents of 4096. On a 2 GB/s link (GPUs of two hosts over
-    # 16 Gb/s), where DP2's gradient reduction costs more than a pipeline's bubble, the tied
-    # model's home is a 2-stage pipeline (its fp32 accumulator of the tied embedding counted
-    # on both stages) and the short bucket drops recompute on it
+    # 80% of the tokens in documents of 4096. On a 1 GB/s link (GPUs of two hosts over
+    # 8 Gb/s), where DP2's gradient reduction costs more than a pipeline's bubble, the tied
+    # model's home on 64 GiB is a 2-stage pipeline (its fp32 accumulator of the tied
+    # embedding counted on both stages) and the short bucket drops recompute on it. The
+    # step is 20 rows of SEQ: the static layout's work is now its real tokens (its rows'
+    # padding is not computed), so only recompute is left to gain, against a second pipeline
+    # bubble per step; over 8 rows (1.6 home micro-batches) that bubble costs more than
+    # dropping recompute on the short rows saves.
     short = 4096
-    lengths = np.array([short] * 640 + [SEQ] * 20)
-    roomy = ClusterSpec(dataclasses.replace(SLOW2.gpu, hbm_gib=72.0, nvlink_gbs=2.0), 2)
-    plan = bk.plan_buckets(lengths, TIED4B, roomy, STEP8, edges=(short,), calibration=LOCAL)
+    lengths = np.array([short] * 1600 + [SEQ] * 50)
+    step = TrainSpec(SEQ, 20)  # 655,360 tokens per step
+    roomy = ClusterSpec(dataclasses.replace(SLOW2.gpu, hbm_gib=64.0, nvlink_gbs=1.0), 2)
+    plan = bk.plan_buckets(lengths, TIED4B, roomy, step, edges=(short,), calibration=LOCAL)
     low, home = plan.buckets
     assert home.strategy.layout == low.strategy.layout == Layout(pp=2) and plan.switch_s == 0
     assert (low.strategy.recompute, home.strategy.recompute) == ("none", "full")
+    assert plan.speedup > 1.0 + bk.DEFAULT_MIN_GAIN
     est = estimate(TIED4B, roomy, TrainSpec(SEQ, 8), home.strategy, LOCAL)
     untied = estimate(UNTIED4B, roomy, TrainSpec(SEQ, 8), home.strategy, LOCAL)
     embedding = TIED4B.vocab_size * TIED4B.hidden_size
@@ -368,11 +447,16 @@ def test_a_tied_model_runs_pipelines_at_home_and_in_a_short_bucket():
     assert low.strategy.layout == Layout(pp=2) and low.strategy.vpp_layers == 0
     assert home.strategy.layout.pp == 1 and plan.static.strategy.layout.pp == 1
     assert plan.speedup > 1.0
-    # time: the cost model's 1F1B pipeline (bubble included) at the expected micro-batches,
-    # interpolated between direct estimates at m = 1 and 2 (rows = 51.2, u = b)
+    # time: the cost model's 1F1B pipeline (bubble included) at the expected work in
+    # micro-batches (rows = 51.2 of 4096, all real, dp = 1: 51.2 / b), interpolated between
+    # direct estimates at m = 1 and 2; the micro-batches run: ceil(rows / b) on average
     rows = 0.8 * step.tokens_per_step / short
-    assert low.micro_batches == pytest.approx(bk.bucket_micro_batches(rows, low.strategy), rel=REL)
-    seconds, _ = _timing(low.strategy, short, low.micro_batches, TIED4B, slow, LOCAL)
+    b = low.strategy.micro_batch
+    assert low.micro_batches == pytest.approx(max(1.0, rows / b + (b - 1) / (2 * b)), rel=REL)
+    seconds, _ = _loop_timing(low.strategy, short, rows, model=TIED4B, cluster=slow, cal=LOCAL)
+    assert seconds == pytest.approx(
+        _timing(low.strategy, short, rows / b, TIED4B, slow, LOCAL)[0], rel=REL
+    )
     assert low.time_s == pytest.approx(seconds, rel=REL)
     # switch: extrapolated from 2- and 4-layer models, against the full 36-layer model (the
     # tied word embedding lives on both stages of the pipeline)
@@ -419,21 +503,34 @@ def test_pipeline_timing_is_affine_in_micro_batches():
     passes = {}
     for m in (1, 3, 8):
         direct = estimate(UNTIED4B, SLOW2, TrainSpec(SEQ, m), s, LOCAL)
-        timing = planner.timing(SEQ, s, m, 1.0)
+        timing = planner.timing(SEQ, s, m, 1.0, m)
         passes[m], update = _parts(direct)
         assert timing.pass_s == pytest.approx(passes[m], rel=REL)
         assert timing.update_s == pytest.approx(update, rel=REL)
     per_micro_batch = (passes[8] - passes[1]) / 7
     assert passes[1] > 1.5 * per_micro_batch  # the bubble: (m + 1) stage times for m
+    # the pass follows the work, the DP reduction the micro-batches run: ZeRO-2 reduce-
+    # scatters after every micro-batch, padding ones included (3 of work, 8 run)
+    z2 = Strategy(Layout(dp=2), zero=2, recompute="full")
+    timing = planner.timing(SEQ, z2, 3, 1.0, 8)
+    (work, _), (_, runs) = (
+        _parts(estimate(UNTIED4B, SLOW2, TrainSpec(SEQ, 2 * m), z2, LOCAL)) for m in (3, 8)
+    )
+    assert timing.pass_s == pytest.approx(work, rel=REL)
+    assert timing.update_s == pytest.approx(runs, rel=REL)
+    assert runs > 1.1 * _parts(estimate(UNTIED4B, SLOW2, TrainSpec(SEQ, 6), z2, LOCAL))[1]
     option = next(
         o
         for o in planner.options(4096, home=False)
         if o.strategy == Strategy(Layout(pp=2), micro_batch=1, zero=0)
     )
     stats = planner.stats((4096,))[0]  # one 4096-token document per row: attention ratio 1
-    seconds, m, ratio = option.seconds(stats)
-    assert ratio == 1.0 and m == pytest.approx(STEP8.tokens_per_step / 4096, rel=REL)
-    assert seconds == pytest.approx(planner.timing(4096, option.strategy, m, 1.0).pass_s, rel=REL)
+    seconds, work, ratio = option.seconds(stats)
+    # dp = 1, b = 1: the work is the step's 64 rows of 4096 real tokens
+    assert ratio == 1.0 and work == pytest.approx(STEP8.tokens_per_step / 4096, rel=REL)
+    runs = bk.bucket_micro_batches(stats.rows, option.strategy)
+    timing = planner.timing(4096, option.strategy, work, 1.0, runs)
+    assert seconds == pytest.approx(timing.pass_s, rel=REL)
 
 
 @pytest.mark.parametrize(
@@ -483,37 +580,62 @@ def test_min_buckets_gives_the_best_bucketed_plan_even_where_static_wins(skewed_
 
 
 def test_packing_is_measured_with_best_fit():
-    # 600-token documents: best fit puts one per 1024-token row (two would need 1200)
+    # 600-token documents: best fit puts one per 1024-token row (two would need 1200); the
+    # attention ratio counts the pieces only (the rows' padding is not computed), and over
+    # the work (full rows of real tokens) it is 600 / 1024
     pieces = bk.Pieces.of(np.full(100, 600), SEQ)
     (stats,) = bk.pack_stats(pieces, (1024,), tokens_per_step=60_000)
     assert stats.efficiency == pytest.approx(600 / 1024, rel=REL)
-    assert stats.attention_ratio == pytest.approx((600**2 + 424**2) / 1024**2, rel=REL)
+    assert stats.attention_ratio == pytest.approx(600**2 / 1024**2, rel=REL)
+    assert bk.executed_ratio(stats) == pytest.approx(600 / 1024, rel=REL)
     # 300-token documents, 200 per step (60,000 / 300): 66 rows of three, one of two
     pieces = bk.Pieces.of(np.full(100, 300), SEQ)
     (stats,) = bk.pack_stats(pieces, (1024,), tokens_per_step=60_000)
     assert stats.efficiency == pytest.approx(60_000 / (67 * 1024), rel=REL)
-    square = 66 * (3 * 300**2 + 124**2) + (2 * 300**2 + 424**2)
+    square = 200 * 300**2
     assert stats.attention_ratio == pytest.approx(square / (67 * 1024**2), rel=REL)
     assert stats.rows == pytest.approx(67, rel=REL)
+    # sum l^2 over (60,000 / 1024 full rows of real tokens) x 1024^2
+    assert bk.executed_ratio(stats) == pytest.approx(square / (60_000 * 1024), rel=REL)
+    # the work: one rank computes the step's 60,000 real tokens, in micro-batches of two
+    # full rows; two ranks, the slower one's E[ceil(67 / 2)] = 33.75 rows of the mean fill
+    one = Strategy(Layout(), micro_batch=2)
+    two = Strategy(Layout(dp=2), micro_batch=2)
+    assert bk.work_micro_batches(stats, one) == pytest.approx(60_000 / (2 * 1024), rel=REL)
+    fill = 60_000 / 67
+    assert bk.work_micro_batches(stats, two) == pytest.approx(33.75 * fill / (2 * 1024), rel=REL)
+    # the micro-batches run: E[ceil(67 / u)], u = dp b
+    assert bk.bucket_micro_batches(stats.rows, one) == pytest.approx(67 / 2 + 1 / 4, rel=REL)
+    assert bk.bucket_micro_batches(stats.rows, two) == pytest.approx(67 / 4 + 3 / 8, rel=REL)
 
 
-def test_short_pieces_fill_the_long_rows_gaps():
-    # 24K-token documents leave 8K of every 32K row; 1K-token documents (half the tokens)
-    # fill those gaps before opening 1K rows: the long rows come out full, and the short
-    # bucket keeps the rest of its tokens. Only the filling is drawn, the totals are exact.
+def test_each_bucket_packs_alone_and_carries_its_own_tokens():
+    # 24K-token documents and 1K-token documents, half the tokens each: the short pieces
+    # do not fill the 8K gaps of the long rows (rows run without their padding, so filling
+    # would save nothing), each bucket packs its own pieces and carries exactly its share of
+    # the step's tokens. Every long row holds one 24K piece (75% full), every short row one
+    # 1K piece; nothing here depends on the draws.
     long, short = 24 * 1024, 1024
     lengths = np.array([long] * 100 + [short] * 2400)
     pieces = bk.Pieces.of(lengths, SEQ)
     low, high = bk.pack_stats(pieces, (short, SEQ), tokens_per_step=1 << 20)
-    assert low.tokens_per_step + high.tokens_per_step == pytest.approx(1 << 20, rel=REL)
-    assert high.efficiency > 0.99 and low.efficiency == 1.0  # draws with few shorts: < 1
-    # a long row takes 8 of the shorts: its tokens are 32/24 of the long pieces'
-    assert high.tokens_per_step == pytest.approx((1 << 19) * SEQ / long, rel=0.01)
-    assert high.rows == pytest.approx((1 << 19) / long, rel=0.01)
-    # each bucket alone: the long rows 75% full, and every short piece in a short row
+    assert low.tokens_per_step == high.tokens_per_step == 1 << 19  # exactly
+    assert (low.documents, low.tokens) == (2400, 2400 * short)
+    assert (high.documents, high.tokens) == (100, 100 * long)
+    assert high.efficiency == 0.75 and low.efficiency == 1.0
+    assert high.rows == pytest.approx((1 << 19) / long, rel=REL)  # one per 24K piece
+    assert low.rows == pytest.approx((1 << 19) / short, rel=REL)
+    assert high.attention_ratio == pytest.approx(0.75**2, rel=REL)  # (24K / 32K)^2 per row
+    assert bk.executed_ratio(high) == pytest.approx(0.75, rel=REL)  # 24K^2 per 24K of work
+    assert low.attention_ratio == bk.executed_ratio(low) == 1.0
+    # the long bucket as if its pieces were the whole dataset: the same rows
     (alone,) = bk.pack_stats(bk.Pieces.of(lengths[:100], SEQ), (SEQ,), 1 << 19)
-    assert alone.efficiency == pytest.approx(0.75, rel=REL)
-    assert low.rows < (1 << 19) / short
+    assert alone.efficiency == high.efficiency and alone.rows == pytest.approx(high.rows, rel=REL)
+    # the sampler's packing of one step of these pieces: no short piece in a long row
+    step = [Piece(i, 0, int(n), True) for i, n in enumerate(lengths[::25])]  # 4 long, 96 short
+    short_rows, long_rows = pack_buckets(step, (short, SEQ))
+    assert [[p.length for p in r.pieces] for r in long_rows] == [[long]] * 4
+    assert [[p.length for p in r.pieces] for r in short_rows] == [[short]] * 96
 
 
 def test_planned_rows_are_what_the_sampler_packs():

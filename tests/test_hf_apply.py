@@ -14,8 +14,8 @@ Gathering the shards back (:func:`full_state_dict`) must give the original weigh
 
 One launch of 4 workers (~30 s on 2 cores): TP=4 ring, Cannon and Megatron over the world;
 TP=2 ring in the two TP groups of a dp2 x tp2 layout (each group on its own tokens), also with
-packed rows (4-D block-diagonal mask, restarting positions), with gradient checkpointing, and
-with the gathered weights loaded into a plain model; the input errors.
+a packed micro-batch (one row: 4-D block-diagonal mask, restarting positions), with gradient
+checkpointing, and with the gathered weights loaded into a plain model; the input errors.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from ds_stpar.errors import ConfigError
 from ds_stpar.layers import apply_stpar
 from ds_stpar.layers.hf import GPT2_TP_PLAN, full_state_dict, tp_plan
 from ds_stpar.parallel import GroupCache
-from ds_stpar.seqbucket.packing import Piece, RowPlan, collate
+from ds_stpar.seqbucket.packing import Piece, RowPlan, collate, token_multiple
 from tests.distributed import run_workers
 
 RTOL = 2e-5
@@ -103,7 +103,8 @@ def _parity(kind: str, layout: Layout, cache: GroupCache, seed: int, **inputs) -
     model = apply_stpar(copy.deepcopy(base), layout, cache=cache)
     assert model.stpar.tp_size == layout.tp
     assert len(model.stpar.linears) == {"llama": 14, "gpt2": 8}[kind]  # 7 or 4 per layer
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+    shape = tuple(inputs["position_ids"].shape) if "position_ids" in inputs else (BATCH, SEQ)
+    ids = torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
     out = model(input_ids=ids, labels=ids, use_cache=False, **inputs)
     expected = ref(input_ids=ids, labels=ids, use_cache=False, **inputs)
     what = f"{kind} {layout.short()}"
@@ -119,24 +120,29 @@ def _parity(kind: str, layout: Layout, cache: GroupCache, seed: int, **inputs) -
         assert torch.equal(gathered[key], value), f"{what}: gathered {key} differs"
 
 
-def _packed(length: int) -> dict[str, torch.Tensor]:
-    """Two packed rows of documents 0-3 (position ids restart, block-diagonal mask)."""
+def _packed(length: int, tp: int) -> dict[str, torch.Tensor]:
+    """A micro-batch of two packed rows of documents 0-3 as collate feeds it: one row of the
+    pieces end to end (position ids restart, block-diagonal mask), padded to a multiple of
+    token_multiple(tp) tokens."""
     docs = {
         d: torch.randint(0, VOCAB, (9,), generator=torch.Generator().manual_seed(d)).numpy()
         for d in range(4)
     }
     rows = [
         RowPlan(length, (Piece(0, 0, 5, True), Piece(1, 0, 3, True))),
-        RowPlan(length, (Piece(2, 0, 6, True),)),  # two pad tokens at the end
+        RowPlan(length, (Piece(2, 0, 6, True),)),  # two pad tokens of its own, dropped
     ]
-    batch = collate(rows, docs.__getitem__, pad_id=0)
+    batch = collate(rows, docs.__getitem__, pad_id=0, multiple=token_multiple(tp))
+    # 14 real tokens, two pad tokens at the end: a multiple of 8 (and of the TP size)
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3, 4, 5, 0, 1]]
+    assert batch.attention_mask().shape == (1, 1, 16, 16)
     return {"position_ids": batch.position_ids, "attention_mask": batch.attention_mask()}
 
 
 def _packed_checkpointed_reloaded(cache: GroupCache) -> None:
     layout = Layout(dp=2, tp=2, tp_mode="ring")
-    _parity("llama", layout, cache, seed=3, **_packed(SEQ))
-    _parity("gpt2", layout, cache, seed=4, **_packed(SEQ))
+    _parity("llama", layout, cache, seed=3, **_packed(SEQ, layout.tp))
+    _parity("gpt2", layout, cache, seed=4, **_packed(SEQ, layout.tp))
 
     # gradient checkpointing recomputes the layers (and their scatter/proxy hooks)
     base = _llama()

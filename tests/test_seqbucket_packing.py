@@ -4,6 +4,8 @@ The model check uses a randomly initialised transformers LlamaForCausalLM in flo
 loss of each document inside a packed row must equal the loss of that document run alone.
 """
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -18,8 +20,10 @@ from ds_stpar.seqbucket.packing import (
     additive_mask,
     block_causal_mask,
     collate,
+    micro_batch_length,
     pack_buckets,
     pack_row,
+    token_multiple,
 )
 from ds_stpar.seqbucket.tokenize import BYTE_PAD_ID, ByteTokenizer
 
@@ -31,17 +35,20 @@ def docs():
 
 
 def reference_bucketed_best_fit(lengths, edges):
-    """Best-fit-decreasing over every open row, a new row taking the smallest edge that holds
-    its piece, with a linear scan: (edge, piece indices) per row, in opening order."""
+    """Best-fit-decreasing per bucket with a linear scan: a piece goes to the open row of its
+    own bucket (the smallest edge that holds it) with the least room that still holds it,
+    else opens a row of that edge; it never joins another bucket's row. (edge, piece indices)
+    per row, in opening order."""
     rows, room, edge = [], [], []
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        fits = [r for r in range(len(rows)) if room[r] >= lengths[i]]
+        own = min(e for e in edges if e >= lengths[i])
+        fits = [r for r in range(len(rows)) if edge[r] == own and room[r] >= lengths[i]]
         if fits:
             r = min(fits, key=lambda r: (room[r], r))
         else:
             rows.append([])
-            edge.append(min(e for e in edges if e >= lengths[i]))
-            room.append(edge[-1])
+            edge.append(own)
+            room.append(own)
             r = len(rows) - 1
         rows[r].append(i)
         room[r] -= lengths[i]
@@ -73,17 +80,18 @@ def test_best_fit_decreasing_matches_reference_and_respects_budget():
         RowPlan(8, (Piece(0, 0, 5, True), Piece(1, 0, 4, True)))
 
 
-def test_bucketed_best_fit_fills_long_rows_before_opening_short_ones():
-    # by hand: 900 and 700 open 1024-token rows (room 124 and 324); 300 joins the 700 (room
-    # 24), 120 the 900 (room 4); 100 fits nowhere and opens a 128-token row (room 28), 60
-    # opens another (room 68), which then takes 50. Alone, the short bucket's four pieces
-    # would need three rows.
+def test_bucketed_best_fit_packs_each_bucket_alone():
+    # by hand: the long bucket's 900 and 700 open 1024-token rows (room 124 and 324), 300
+    # joins the 700 (room 24). The short bucket's 120 opens a 128-token row (room 8) although
+    # it would fit the 900's gap: rows run without their padding (collate), so filling that
+    # gap saves nothing. 100 opens another (room 28), 60 a third (room 68), which takes 50.
     pieces = [Piece(i, 0, n, True) for i, n in enumerate([900, 700, 300, 120, 100, 60, 50])]
     short, long = pack_buckets(pieces, (128, 1024))
-    assert [[p.length for p in r.pieces] for r in long] == [[900, 120], [700, 300]]
-    assert [[p.length for p in r.pieces] for r in short] == [[100], [60, 50]]
+    assert [[p.length for p in r.pieces] for r in long] == [[900], [700, 300]]
+    assert [[p.length for p in r.pieces] for r in short] == [[120], [100], [60, 50]]
     assert {r.length for r in long} == {1024} and {r.length for r in short} == {128}
-    assert len(pack_best_fit(pieces[3:], 128)) == 3
+    # each bucket exactly as packed alone
+    assert short == pack_best_fit(pieces[3:], 128) and long == pack_best_fit(pieces[:3], 1024)
     # against the linear-scan reference on skewed lengths and three buckets
     rng = np.random.default_rng(2)
     lengths = np.minimum(rng.lognormal(5.0, 1.4, 600).astype(int) + 1, 2048).tolist()
@@ -91,13 +99,13 @@ def test_bucketed_best_fit_fills_long_rows_before_opening_short_ones():
     packed = pack_buckets([Piece(i, 0, n, True) for i, n in enumerate(lengths)], edges)
     got = sorted((row.length, [p.doc for p in row.pieces]) for rows in packed for row in rows)
     assert got == sorted(reference_bucketed_best_fit(lengths, edges))
-    for k, rows in enumerate(packed):  # a row is opened by a piece of its own bucket
-        low = edges[k - 1] if k else 0
-        assert all(low < max(p.length for p in row.pieces) <= edges[k] for row in rows)
-    # the longest bucket's rows are as many as its own pieces need alone: fillers only
-    # take room that would have been padding
-    own = [Piece(i, 0, n, True) for i, n in enumerate(lengths) if n > 512]
-    assert len(packed[-1]) == len(pack_best_fit(own, 2048))
+    for k, rows in enumerate(packed):  # every piece in a row of its own bucket, and each
+        low = edges[k - 1] if k else 0  # bucket packed as its pieces alone would be
+        assert all(low < p.length <= edges[k] for row in rows for p in row.pieces)
+        own = [Piece(i, 0, n, True) for i, n in enumerate(lengths) if low < n <= edges[k]]
+        assert rows == pack_best_fit(own, edges[k])
+        assert all(row.length == edges[k] for row in rows)
+    assert sorted(p.doc for rows in packed for row in rows for p in row.pieces) == list(range(600))
     with pytest.raises(ValueError, match="strictly increasing"):
         pack_buckets(pieces, (1024, 128))
     with pytest.raises(ValueError, match="does not fit"):
@@ -138,23 +146,44 @@ def test_block_causal_mask_and_batch_cu_seqlens():
     add = additive_mask(mask, torch.float32)
     assert add[mask].eq(0).all() and add[~mask].eq(torch.finfo(torch.float32).min).all()
 
-    docs = {0: np.arange(5), 1: np.arange(3)}
-    rows = [
-        RowPlan(7, (Piece(0, 0, 5, True),)),
-        RowPlan(7, (Piece(1, 0, 3, True), Piece(0, 0, 2, False))),
-    ]
-    batch = collate(rows, docs.__getitem__, pad_id=9)
-    assert batch.input_ids.shape == (2, 7)
-    assert batch.cu_seqlens.tolist() == [0, 5, 7, 10, 12, 14]
-    assert batch.max_seqlen == 5
+    # a micro-batch: the pieces of its rows end to end, the rows' own padding dropped, then
+    # one pad segment up to a multiple of the token multiple (by hand)
+    docs = {0: np.arange(5), 1: np.arange(10, 13)}
+    pieces = (Piece(0, 0, 5, True), Piece(1, 0, 3, True), Piece(0, 0, 2, False))
+    rows = [RowPlan(7, pieces[:1]), RowPlan(7, pieces[1:])]  # 10 real tokens, 4 pad
+    I = IGNORE_INDEX
+    batch = collate(rows, docs.__getitem__, pad_id=9)  # multiple 1: no pad at all
+    assert batch.input_ids.tolist() == [[0, 1, 2, 3, 4, 10, 11, 12, 0, 1]]
+    assert batch.labels.tolist() == [[1, 2, 3, 4, I, 11, 12, I, 1, 2]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 0, 1]]
+    assert batch.cu_seqlens.tolist() == [0, 5, 8, 10] and batch.cu_seqlens.dtype == torch.int32
+    assert batch.pieces == pieces and batch.max_seqlen == 5
     assert batch.num_targets == 4 + 2 + 2
+    batch = collate(rows, docs.__getitem__, pad_id=9, multiple=8)  # 10 -> 16 tokens
+    assert batch.input_ids.tolist() == [[0, 1, 2, 3, 4, 10, 11, 12, 0, 1] + [9] * 6]
+    assert batch.labels.tolist() == [[1, 2, 3, 4, I, 11, 12, I, 1, 2] + [I] * 6]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 0, 1, 2, 3, 4, 5]]
+    assert batch.cu_seqlens.tolist() == [0, 5, 8, 10, 16]
+    assert batch.max_seqlen == 6  # the pad segment is the longest here
+    assert batch.pieces == pieces and batch.num_targets == 8
+    assert micro_batch_length(rows, 8) == 16 and micro_batch_length(rows, 1) == 10
     masks = batch.attention_mask()
-    assert masks.shape == (2, 1, 7, 7)
-    for r in range(2):
-        assert torch.equal(masks[r, 0], block_causal_mask(batch.rows[r].cu_seqlens, 7))
-    assert batch.attention_mask(torch.float64).dtype == torch.float64
-    with pytest.raises(ValueError, match="differ in length"):
-        collate([RowPlan(7), RowPlan(8)], docs.__getitem__, 0)
+    assert masks.shape == (1, 1, 16, 16) and masks.dtype == torch.bool
+    segment = [0] * 5 + [1] * 3 + [2] * 2 + [3] * 6
+    expected = [[segment[i] == segment[j] and j <= i for j in range(16)] for i in range(16)]
+    assert masks[0, 0].tolist() == expected
+    additive = batch.attention_mask(torch.float64)
+    assert additive.dtype == torch.float64 and torch.equal(
+        additive, additive_mask(masks, torch.float64)
+    )
+    # rows of different lengths may share a micro-batch; padding rows alone are one multiple
+    mixed = collate([RowPlan(7, pieces[:1]), RowPlan(8, pieces[1:2])], docs.__getitem__, 0, 8)
+    assert mixed.input_ids.shape == (1, 8) and mixed.cu_seqlens.tolist() == [0, 5, 8]
+    empty = collate([RowPlan(7), RowPlan(7)], docs.__getitem__, 9, multiple=24)
+    assert empty.input_ids.tolist() == [[9] * 24] and empty.cu_seqlens.tolist() == [0, 24]
+    assert empty.num_targets == 0 and empty.pieces == ()
+    # lcm(8, tp): tensor-core tiles, and sequence parallelism splits the tokens over tp
+    assert [token_multiple(tp) for tp in (1, 2, 3, 4, 6, 8, 16)] == [8, 8, 24, 8, 24, 8, 16]
 
 
 def _llama(attn_implementation: str):
@@ -211,10 +240,15 @@ def test_packed_loss_equals_documents_alone_llama(docs, impl, how):
             ),
         ),
         RowPlan(
-            400, (Piece(long, 500, 200, False), Piece(short[2], 0, int(lengths[short[2]]), True))
+            352, (Piece(long, 500, 200, False), Piece(short[2], 0, int(lengths[short[2]]), True))
         ),
     ]
-    batch = collate(rows, docs.__getitem__, BYTE_PAD_ID)
+    # one row of the pieces end to end, the rows' padding dropped, a pad segment up to 24
+    batch = collate(rows, docs.__getitem__, BYTE_PAD_ID, multiple=24)
+    real = sum(row.num_tokens for row in rows)
+    assert batch.input_ids.shape == (1, math.ceil(real / 24) * 24)
+    assert batch.pieces == rows[0].pieces + rows[1].pieces
+    assert len(batch.cu_seqlens) == 5 + 2  # five pieces and a trailing pad segment
     kwargs = {"position_ids": batch.position_ids, "use_cache": False}
     if how != "position_ids":  # position_ids alone: transformers derives the packed mask
         kwargs["attention_mask"] = batch.attention_mask(
@@ -224,24 +258,18 @@ def test_packed_loss_equals_documents_alone_llama(docs, impl, how):
         logits = model(input_ids=batch.input_ids, **kwargs).logits
         leaky = model(input_ids=batch.input_ids, use_cache=False).logits  # plain causal
         checked = 0
-        for r, row in enumerate(batch.rows):
-            for k, piece in enumerate(row.pieces):
-                lo, hi = int(row.cu_seqlens[k]), int(row.cu_seqlens[k + 1])
-                packed = token_loss(logits[r : r + 1, lo:hi], row.labels[None, lo:hi], 1)
-                alone = _alone_loss(model, docs[piece.doc], piece)
-                assert abs(packed - alone) <= REL_TOL * abs(alone), (
-                    r,
-                    k,
-                    float(packed),
-                    float(alone),
-                )
-                if lo > 0:  # a later segment sees earlier ones under a plain causal mask
-                    wrong = token_loss(leaky[r : r + 1, lo:hi], row.labels[None, lo:hi], 1)
-                    assert abs(wrong - alone) > 1e-6 * abs(alone)
-                checked += 1
-            row_loss = token_loss(logits[r : r + 1], row.labels[None], 1)
-            pieces_alone = sum(_alone_loss(model, docs[p.doc], p) for p in row.pieces)
-            assert abs(row_loss - pieces_alone) <= REL_TOL * abs(pieces_alone)
+        for k, piece in enumerate(batch.pieces):
+            lo, hi = int(batch.cu_seqlens[k]), int(batch.cu_seqlens[k + 1])
+            packed = token_loss(logits[:, lo:hi], batch.labels[:, lo:hi], 1)
+            alone = _alone_loss(model, docs[piece.doc], piece)
+            assert abs(packed - alone) <= REL_TOL * abs(alone), (k, float(packed), float(alone))
+            if lo > 0:  # a later segment sees earlier ones under a plain causal mask
+                wrong = token_loss(leaky[:, lo:hi], batch.labels[:, lo:hi], 1)
+                assert abs(wrong - alone) > 1e-6 * abs(alone)
+            checked += 1
+        batch_loss = token_loss(logits, batch.labels, 1)
+        pieces_alone = sum(_alone_loss(model, docs[p.doc], p) for p in batch.pieces)
+        assert abs(batch_loss - pieces_alone) <= REL_TOL * abs(pieces_alone)
     assert checked == 5
 
 

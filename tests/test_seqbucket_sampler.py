@@ -20,7 +20,15 @@ from ds_stpar.errors import ConfigError, DataError
 from ds_stpar.seqbucket.corpus import stdlib_corpus
 from ds_stpar.seqbucket.data import Documents
 from ds_stpar.seqbucket.lengths import bucket_histogram
-from ds_stpar.seqbucket.packing import IGNORE_INDEX, Piece, RowPlan, collate, pack_buckets
+from ds_stpar.seqbucket.packing import (
+    IGNORE_INDEX,
+    Piece,
+    RowPlan,
+    collate,
+    micro_batch_length,
+    pack_buckets,
+    token_multiple,
+)
 from ds_stpar.seqbucket.sampler import BucketSampler, RowCost, balance_rows
 from ds_stpar.seqbucket.tokenize import BYTE_EOS_ID, BYTE_PAD_ID, ByteTokenizer, tokenize_dataset
 from tests.distributed import run_workers
@@ -44,7 +52,7 @@ def synthetic_lengths(n=3000, seed=0):
 
 
 def _own_edge(piece, edges):
-    """The smallest bucket edge that holds ``piece``: the bucket whose rows it may open."""
+    """The smallest bucket edge that holds ``piece``: the bucket whose rows it goes to."""
     return next(e for e in edges if piece.length <= e)
 
 
@@ -53,40 +61,58 @@ def test_every_token_of_every_document_used_exactly_once(corpus):
     sampler = BucketSampler(docs.lengths, BUCKETS, global_batch_tokens=1 << 17, seed=7)
     seen = defaultdict(list)  # doc -> [(start, tokens, labels)]
     per_bucket = np.zeros(len(BUCKETS), dtype=np.int64)  # pieces by their own bucket
-    fillers = 0  # pieces in the rows of a longer bucket
     plans = list(sampler)
     assert sampler.epoch == 1 and len(plans) >= math.ceil(docs.num_tokens / (1 << 17))
     # greedy cut: a mini-batch closes only when the next piece (<= 4096 tokens) would overflow
     assert all((1 << 17) - 4096 < p.num_tokens <= 1 << 17 for p in plans[:-1])
+    padded = 0  # micro-batches with a trailing pad segment
     for plan in plans:
-        targets = 0
+        targets = tokens = 0
         for b, bucket in enumerate(plan.buckets):
             assert bucket.edge == BUCKETS[b].max_len and bucket.strategy == BUCKETS[b].strategy
             assert len(bucket.ranks) == bucket.strategy.layout.dp
+            # lcm(8, tp): 8 for every TP degree here
+            multiple = math.lcm(8, bucket.strategy.layout.tp)
+            assert token_multiple(bucket.strategy.layout.tp) == multiple
+            bucket_tokens = 0
             for rank in bucket.ranks:
                 assert len(rank) == bucket.num_micro_batches
                 for mb in rank:
-                    batch = collate(mb.rows, docs.__getitem__, BYTE_PAD_ID)
-                    assert batch.input_ids.shape == (bucket.strategy.micro_batch, bucket.edge)
+                    # b rows of the bucket's edge, every piece in a row of its own bucket
+                    assert len(mb.rows) == bucket.strategy.micro_batch
+                    assert all(row.length == bucket.edge for row in mb.rows)
+                    pieces = [p for row in mb.rows for p in row.pieces]
+                    assert all(_own_edge(p, sampler.edges) == bucket.edge for p in pieces)
+                    # fed as one row: the pieces end to end, then pad to a multiple
+                    real = sum(p.length for p in pieces)
+                    length = max(1, math.ceil(real / multiple)) * multiple
+                    batch = collate(mb.rows, docs.__getitem__, BYTE_PAD_ID, multiple)
+                    assert batch.input_ids.shape == (1, length)
+                    assert micro_batch_length(mb.rows, multiple) == length
+                    assert batch.pieces == tuple(pieces)
+                    assert int(batch.cu_seqlens[len(pieces)]) == real
+                    assert (batch.input_ids[0, real:] == BYTE_PAD_ID).all()
+                    assert (batch.labels[0, real:] == IGNORE_INDEX).all()
+                    padded += length > real
                     targets += batch.num_targets
+                    bucket_tokens += real
                     if mb.is_padding:
-                        assert (batch.labels == IGNORE_INDEX).all()
-                    for row in batch.rows:
-                        own = [sampler.edges.index(_own_edge(p, sampler.edges)) for p in row.pieces]
-                        # a row is opened by a piece of its bucket; shorter pieces fill its gaps
-                        assert not own or max(own) == b
-                        for k, piece in enumerate(row.pieces):
-                            lo, hi = int(row.cu_seqlens[k]), int(row.cu_seqlens[k + 1])
-                            per_bucket[own[k]] += 1
-                            fillers += own[k] < b
-                            seen[piece.doc].append(
-                                (
-                                    piece.start,
-                                    row.input_ids[lo:hi].tolist(),
-                                    row.labels[lo:hi].tolist(),
-                                )
+                        assert not pieces and length == multiple
+                    for k, piece in enumerate(batch.pieces):
+                        lo, hi = int(batch.cu_seqlens[k]), int(batch.cu_seqlens[k + 1])
+                        assert hi - lo == piece.length
+                        per_bucket[b] += 1
+                        seen[piece.doc].append(
+                            (
+                                piece.start,
+                                batch.input_ids[0, lo:hi].tolist(),
+                                batch.labels[0, lo:hi].tolist(),
                             )
+                        )
+            assert bucket.num_tokens == bucket_tokens
+            tokens += bucket_tokens
         assert targets == plan.num_targets == sum(b.num_targets for b in plan.buckets)
+        assert tokens == plan.num_tokens
     assert sorted(seen) == list(range(len(texts)))
     split = 0
     for doc, text in enumerate(texts):
@@ -99,7 +125,7 @@ def test_every_token_of_every_document_used_exactly_once(corpus):
         split += len(pieces) > 1
     assert split > 50  # the corpus's long tail really was cut (and nothing dropped)
     assert per_bucket.tolist() == bucket_histogram(docs.lengths, sampler.edges).pieces.tolist()
-    assert fillers > 50  # short pieces really did fill the long rows' gaps
+    assert padded > 50  # the pad segment really was exercised
     total_targets = sum(p.num_targets for p in plans)
     assert total_targets == docs.num_tokens - len(texts)  # n - 1 targets per document
 
@@ -287,6 +313,6 @@ def _count_and_loss_worker(rank, world_size, lengths, vocab):
 
 @pytest.mark.dist
 def test_all_reduced_target_count_and_loss_over_ranks():
-    rng = np.random.default_rng(2)  # more short pieces than the long rows' gaps take
+    rng = np.random.default_rng(2)  # pieces of both buckets
     lengths = rng.permutation(np.concatenate([rng.integers(1, 64, 40), rng.integers(200, 300, 10)]))
     run_workers(_count_and_loss_worker, 2, lengths, 17)

@@ -29,30 +29,32 @@ minimising the expected step time of seqbucket/runner.py's loop::
 
 Rows per step. Documents longer than ``s`` are cut into pieces
 (:func:`~ds_stpar.seqbucket.lengths.split_lengths`); a piece of length ``l`` belongs to the
-bucket ``(e_{i-1}, e_i]`` holding it, and the step's pieces are packed best-fit-decreasing
-into rows of their bucket's edge, shorter pieces also filling the room left in longer rows
-(:func:`~ds_stpar.seqbucket.packing.pack_buckets`, as the sampler does). Bucket ``i``'s rows
-carry ``T_i`` tokens per step (its own pieces that no longer row took, and the shorter pieces
-it took): ``rows_i = T_i / (e_i eff_i)``. ``T_i`` and the packing efficiency ``eff_i`` are
-measured for each edge set, not assumed (:func:`pack_stats`): steps of ``T x pieces /
-tokens`` pieces are drawn from the dataset's pieces and packed, the same draws for every edge
-set, up to :data:`PACK_PIECES` pieces per step (a larger step packs a subset of that size,
-slightly pessimistic). Packing each bucket alone would leave the longest rows' gaps padded
-and run the short pieces that could fill them in rows of their own: on the Python standard
-library corpus at 32K, rows of the pieces over 16K tokens would be 75% full instead of 99.9%.
+bucket ``(e_{i-1}, e_i]`` holding it, and each bucket's pieces of a step are packed
+best-fit-decreasing into rows of its edge (:func:`~ds_stpar.seqbucket.packing.pack_buckets`,
+as the sampler does). Bucket ``i`` carries ``T_i = T share_i`` tokens per step (``share_i``:
+its pieces' share of the dataset's tokens) in ``rows_i = T_i / (e_i eff_i)`` rows. The packing
+efficiency ``eff_i`` is measured for each edge set, not assumed (:func:`pack_stats`): steps of
+``T x pieces / tokens`` pieces are drawn from the dataset's pieces and packed, the same draws
+for every edge set, up to :data:`PACK_PIECES` pieces per step (a larger step packs a subset
+of that size, slightly pessimistic).
 
-Padding. The runner deals a step's rows to the DP ranks in micro-batches of ``b`` and pads
-every rank to the same count, ``ceil(rows / u)`` micro-batches with ``u = dp b``; the rows of
-a bucket vary from step to step, so the expected count is ``rows / u + (u - 1) / (2u)``, at
-least 1 (:func:`bucket_micro_batches`). The static baseline runs a fixed global batch of
-packed rows and pays no padding (:func:`static_micro_batches`). The cost model is affine in
-the micro-batch count (:func:`affine_timing`), so expected counts are evaluated exactly.
+Work. The runner feeds a micro-batch's rows end to end without their padding
+(:func:`~ds_stpar.seqbucket.packing.collate`), so the work is the real tokens: per DP rank,
+the slowest rank's ``E[ceil(R / dp)]`` rows of ``eff_i e_i`` tokens on average, in
+micro-batches of ``b`` full rows (:func:`work_micro_batches`); padding rows and padding
+micro-batches (a rank short of rows) cost nothing. Micro-batches *run* per rank,
+``ceil(R / u)`` with ``u = dp b``, expected ``rows / u + (u - 1) / (2u)``
+(:func:`bucket_micro_batches`), count where something happens per micro-batch whatever its
+size (ZeRO-2's reduce-scatter) and give ds_stpar.json's GAS. The static baseline is the same
+loop with one bucket and is charged the same way. The cost model is affine in the
+micro-batch count (:func:`affine_timing`), so expected counts are evaluated exactly.
 
-Attention over packed rows. Rows run varlen flash attention over their segments (documents
-and the trailing pad segment, ``cu_seqlens``), which costs ``sum_j l_j^2`` of a full row's
-``e^2``. The measured ``attention_ratio = sum l_j^2 / (rows e^2)`` scales the cost model's
-flash-attention time (:func:`packed_estimate`); padding rows count 1. Unfused attention masks
-a full ``e x e`` matrix and is left as is. The static baseline is scaled the same way.
+Attention over packed rows. Rows run varlen flash attention over their segments (the
+documents, ``cu_seqlens``), which costs ``sum_j l_j^2`` of a full row's ``e^2``. The measured
+``attention_ratio = sum l_j^2 / (rows e^2)``, over the work's full rows ``/ eff``
+(:func:`executed_ratio`), scales the cost model's flash-attention time
+(:func:`packed_estimate`). Unfused attention masks a full ``e x e`` matrix and is left as
+is. The static baseline is scaled the same way.
 
 Memory, per GPU (what the runner allocates; seqbucket/runner.py), bucket by bucket in the
 order they run (:meth:`_Planner.bucket_peaks_gib`). A GPU sits on one pipeline stage of the
@@ -124,7 +126,6 @@ included). The plan reported is evaluated directly with the cost model
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import functools
 import heapq
@@ -225,11 +226,10 @@ class Pieces:
 class PackStats:
     """Bucket ``(lo, hi]`` of one edge set, its rows of ``hi`` tokens per step.
 
-    ``documents`` / ``tokens``: the dataset's pieces and tokens in the range (the bucket's
-    own); ``tokens_per_step``: the tokens its rows carry per step (own pieces that no longer
-    row took, and shorter pieces in its gaps); ``efficiency``: those tokens over ``rows x
-    hi``; ``attention_ratio``: ``sum l^2`` over every segment (pieces and trailing pad) over
-    ``rows x hi^2``; ``rows``: expected packed rows per step.
+    ``documents`` / ``tokens``: the dataset's pieces and tokens in the range;
+    ``tokens_per_step``: their expected tokens per step; ``efficiency``: those tokens over
+    ``rows x hi``; ``attention_ratio``: ``sum l^2`` over the pieces over ``rows x hi^2`` (the
+    rows' padding is not computed); ``rows``: expected packed rows per step.
     """
 
     lo: int
@@ -262,12 +262,10 @@ def pack_stats(
     every edge set packs the same draws), at most :data:`PACK_PIECES` in all (a larger step
     packs that share of each range). They are packed with
     :func:`~ds_stpar.seqbucket.packing.pack_buckets`, as many steps as draw about
-    :data:`PACK_DRAWN` pieces (at most :data:`MAX_PACK_GROUPS`). The draws give, for the
-    pieces of each bucket ``j``, the fraction ``M[j][i]`` of their tokens that rows of bucket
-    ``i >= j`` took; bucket ``i`` carries ``T_i = T sum_j share_j M[j][i]`` tokens per step,
-    ``share_j`` the exact share of bucket ``j``'s pieces in the dataset's tokens (so with no
-    filling, ``M`` the identity, ``T_i`` is exact). A bucket whose rows the draws never
-    opened carries no tokens (efficiency and attention ratio 1, 0 rows).
+    :data:`PACK_DRAWN` pieces (at most :data:`MAX_PACK_GROUPS`). Each bucket packs its own
+    pieces, so it carries ``T_i = T share_i`` tokens per step, ``share_i`` the exact share of
+    its pieces in the dataset's tokens; the draws give its efficiency and attention ratio. A
+    bucket whose rows the draws never opened: efficiency and attention ratio 1.
     """
     edges = tuple(int(e) for e in edges)
     strata = tuple(int(e) for e in (strata or edges))
@@ -277,8 +275,7 @@ def pack_stats(
     groups = min(MAX_PACK_GROUPS, max(1, round(PACK_DRAWN / max(per_step.sum(), 1.0))))
     rng = np.random.default_rng(seed)
     k = len(edges)
-    rows, square = np.zeros(k), np.zeros(k)
-    moved = np.zeros((k, k))  # tokens of bucket j's pieces in rows of bucket i: moved[j, i]
+    rows, square, packed = np.zeros(k), np.zeros(k), np.zeros(k)
     for _ in range(groups):
         counts = np.floor(per_step + rng.random(len(spans))).astype(np.int64)
         draw = np.concatenate(
@@ -287,19 +284,12 @@ def pack_stats(
         )
         step = [Piece(n, 0, int(n), True) for n in draw]
         for i, bucket_rows in enumerate(pack_buckets(step, edges)):
+            rows[i] += len(bucket_rows)
             for row in bucket_rows:
-                square[i] += sum(p.length**2 for p in row.pieces) + (edges[i] - row.num_tokens) ** 2
-                rows[i] += 1
-                for p in row.pieces:
-                    moved[bisect.bisect_left(edges, p.length), i] += p.length
-    drawn = moved.sum(axis=1, keepdims=True)
-    fractions = np.where(drawn > 0, moved / np.where(drawn > 0, drawn, 1), np.eye(k))
-    bounds = list(zip((0, *edges[:-1]), edges))
-    share = np.array([pieces.count(lo, hi)[1] for lo, hi in bounds]) / pieces.num_tokens
-    carried = tokens_per_step * share @ fractions
-    packed = moved.sum(axis=0)
+                square[i] += sum(p.length**2 for p in row.pieces)
+                packed[i] += row.num_tokens
     out = []
-    for i, (lo, hi) in enumerate(bounds):
+    for i, (lo, hi) in enumerate(zip((0, *edges[:-1]), edges)):
         documents, tokens = pieces.count(lo, hi)
         opened = rows[i] * hi
         out.append(
@@ -308,7 +298,7 @@ def pack_stats(
                 hi=hi,
                 documents=documents,
                 tokens=tokens,
-                tokens_per_step=float(carried[i]) if opened else 0.0,
+                tokens_per_step=tokens_per_step * tokens / pieces.num_tokens,
                 efficiency=float(packed[i] / opened) if opened else 1.0,
                 attention_ratio=float(square[i] / (opened * hi)) if opened else 1.0,
             )
@@ -396,27 +386,35 @@ def rows_per_round(strategy: Strategy) -> int:
 def bucket_micro_batches(rows: float, strategy: Strategy) -> float:
     """Expected micro-batches per DP rank of a bucket of ``rows`` expected rows per step.
 
-    The runner deals a step's rows to the ``dp`` ranks in micro-batches of ``b`` and pads every
-    rank to the same count (seqbucket.sampler.balance_rows), so a step of ``R`` rows runs
+    The runner deals a step's rows to the ``dp`` ranks in micro-batches of ``b`` and gives
+    every rank the same count (seqbucket.sampler.balance_rows), so a step of ``R`` rows runs
     ``ceil(R / u)`` micro-batches, ``u = dp b``. The row count varies from step to step; with
     its remainder modulo ``u`` spread evenly, ``E[ceil(R / u)] = rows / u + (u - 1) / (2u)``;
-    at least one (a bucket is charged every step)."""
+    at least one (the home bucket runs one every step). ds_stpar.json's GAS; the time
+    follows :func:`work_micro_batches`."""
     u = rows_per_round(strategy)
     return max(1.0, rows / u + (u - 1) / (2 * u))
 
 
-def static_micro_batches(rows: float, strategy: Strategy) -> float:
-    """Micro-batches per DP rank of the static run: a fixed global batch of packed rows
-    holding the step's tokens, ``rows / u`` (at least one), no padding."""
-    return max(1.0, rows / rows_per_round(strategy))
+def work_micro_batches(stats: PackStats, strategy: Strategy) -> float:
+    """Forward and backward work per DP rank per step, in micro-batches of ``b`` full rows.
+
+    The runner computes a micro-batch's real tokens only (the rows' padding, and padding
+    rows, cost nothing: seqbucket.packing.collate), and the slowest DP rank sets the pace.
+    Rows are dealt in rounds of ``dp``, so that rank holds ``E[ceil(R / dp)] = rows / dp +
+    (dp - 1) / (2 dp)`` rows (as :func:`bucket_micro_batches`), each of ``efficiency x e``
+    tokens on average. 0 for a bucket without tokens."""
+    if not stats.tokens_per_step:
+        return 0.0
+    dp = strategy.layout.dp
+    rows = stats.rows / dp + (dp - 1) / (2 * dp)
+    return rows * stats.efficiency / strategy.micro_batch
 
 
-def executed_ratio(stats: PackStats, micro_batches: float, strategy: Strategy) -> float:
-    """Attention ratio over the rows run: the packed rows at their measured ratio, padding
-    rows (one pad segment of the full edge) at 1."""
-    run = micro_batches * rows_per_round(strategy)
-    rows = min(stats.rows, run)
-    return (rows * stats.attention_ratio + (run - rows)) / run
+def executed_ratio(stats: PackStats) -> float:
+    """Attention ratio of the work :func:`work_micro_batches` counts: the pieces' ``sum l^2``
+    over ``e^2`` per full row of real tokens, ``attention_ratio / efficiency`` (<= 1)."""
+    return min(1.0, stats.attention_ratio / stats.efficiency)
 
 
 @dataclass(frozen=True)
@@ -433,16 +431,21 @@ class Timing:
         return self.pass_s + self.update_s
 
 
-def affine_timing(first: Estimate, second: Estimate, micro_batches: float) -> Timing:
-    """:class:`Timing` at ``micro_batches`` from exact estimates of one strategy at two
-    micro-batch counts. The cost model is affine in ``m``: ``m`` times the slowest stage plus
-    a constant pipeline fill and drain, a DP reduction that is constant (ZeRO 0/1) or ``m``
-    reduce-scatters (ZeRO-2), one optimizer step; so this is exact at any ``m``."""
+def affine_timing(
+    first: Estimate, second: Estimate, micro_batches: float, reductions: float | None = None
+) -> Timing:
+    """:class:`Timing` at ``micro_batches`` (of work, :func:`work_micro_batches`) from exact
+    estimates of one strategy at two micro-batch counts, the DP reduction at ``reductions``
+    micro-batches run (default the same; :func:`bucket_micro_batches`). The cost model is
+    affine in ``m``: ``m`` times the slowest stage plus a constant pipeline fill and drain, a
+    DP reduction that is constant (ZeRO 0/1) or ``m`` reduce-scatters (ZeRO-2: one per
+    micro-batch run, padding ones too), one optimizer step; so this is exact at any ``m``."""
     m1, m2 = first.micro_batches, second.micro_batches
     w = (micro_batches - m1) / (m2 - m1)
+    r = w if reductions is None else (reductions - m1) / (m2 - m1)
     p1, p2 = pass_seconds(first), pass_seconds(second)
     u1, u2 = update_seconds(first), update_seconds(second)
-    return Timing(p1 + w * (p2 - p1), u1 + w * (u2 - u1))
+    return Timing(p1 + w * (p2 - p1), u1 + r * (u2 - u1))
 
 
 # --------------------------------------------------------------------------------------
@@ -503,9 +506,9 @@ class SwitchCosts:
 class PlannedBucket:
     """One bucket of a plan, per optimizer step (expected values).
 
-    ``rows``: packed rows; ``micro_batches``: per DP rank (:func:`bucket_micro_batches`; the
-    static plan's: :func:`static_micro_batches`); ``attention_ratio``: over the rows run,
-    padding included; ``time_s``: forward + backward; ``switch_s``: weights in + gradients
+    ``rows``: packed rows; ``micro_batches``: run per DP rank, padding ones included
+    (:func:`bucket_micro_batches`); ``attention_ratio``: of the work, the rows' real tokens
+    (:func:`executed_ratio`); ``time_s``: forward + backward; ``switch_s``: weights in + gradients
     out (0 for the home bucket); ``peak_memory_gib``: the most held while the bucket runs or
     switches (the home model states, this bucket's model and the carry while they exist, its
     activations and buffers).
@@ -659,11 +662,12 @@ class _Option:
         return model_key(self.strategy)
 
     def seconds(self, stats: PackStats) -> tuple[float, float, float]:
-        """(forward + backward seconds, micro-batches per rank, attention ratio) of a bucket."""
-        m = bucket_micro_batches(stats.rows, self.strategy)
-        ratio = executed_ratio(stats, m, self.strategy)
+        """(forward + backward seconds, work in micro-batches per rank, attention ratio) of a
+        bucket (:func:`work_micro_batches`, :func:`executed_ratio`)."""
+        work = work_micro_batches(stats, self.strategy)
+        ratio = executed_ratio(stats)
         fill = self.fill0 + ratio * (self.fill1 - self.fill0)
-        return m * (self.t0 + ratio * (self.t1 - self.t0)) + fill, m, ratio
+        return work * (self.t0 + ratio * (self.t1 - self.t0)) + fill, work, ratio
 
 
 def _states_bytes(breakdown: dict[str, float]) -> float:
@@ -768,12 +772,14 @@ class _Planner:
             self._evaluators[key] = packed_evaluator(self.model, self.cluster, train, ratio, cal)
         return self._evaluators[key]
 
-    def timing(self, edge: int, strategy: Strategy, micro_batches: float, ratio: float) -> Timing:
+    def timing(
+        self, edge: int, strategy: Strategy, work: float, ratio: float, runs: float
+    ) -> Timing:
         """Exact :class:`Timing` of a strategy, pipelines included (its estimates at base_rows
-        and twice that, :func:`affine_timing`)."""
+        and twice that, :func:`affine_timing` at ``work`` and ``runs`` micro-batches)."""
         first = self.evaluator(edge, self.base_rows, ratio).estimate(strategy)
         second = self.evaluator(edge, 2 * self.base_rows, ratio).estimate(strategy)
-        return affine_timing(first, second, micro_batches)
+        return affine_timing(first, second, work, runs)
 
     # ---- options ---------------------------------------------------------------------
     def options(self, edge: int, home: bool) -> list[_Option]:
@@ -843,14 +849,17 @@ class _Planner:
 
     # ---- home ------------------------------------------------------------------------
     def home_bound(self, h: _Option, edge_set: tuple[int, ...]) -> float:
-        seconds, m, _ = h.seconds(self.stats(edge_set)[-1])
-        return seconds + h.update0 + h.update_slope * m
+        stats = self.stats(edge_set)[-1]
+        runs = bucket_micro_batches(stats.rows, h.strategy)
+        return h.seconds(stats)[0] + h.update0 + h.update_slope * runs
 
     def home_timing(self, h: _Option, edge_set: tuple[int, ...]) -> Timing:
         key = (h, edge_set)
         if key not in self._home:
-            _, m, ratio = h.seconds(self.stats(edge_set)[-1])
-            self._home[key] = self.timing(self.train.seq_len, h.strategy, m, ratio)
+            stats = self.stats(edge_set)[-1]
+            _, work, ratio = h.seconds(stats)
+            runs = bucket_micro_batches(stats.rows, h.strategy)
+            self._home[key] = self.timing(self.train.seq_len, h.strategy, work, ratio, runs)
         return self._home[key]
 
     # ---- one (home, edge set) --------------------------------------------------------
@@ -981,8 +990,9 @@ class _Planner:
         The search runs at the packed row count rounded up to a multiple of ``world x
         MAX_MICRO_BATCH`` rows (so every layout and power-of-two micro-batch is enumerated,
         as for the buckets); each fitting candidate is then timed at its own micro-batch
-        count, :func:`static_micro_batches`, from its estimates at that row count and twice
-        it (:func:`affine_timing`), flash attention scaled by the packed rows' ratio.
+        count (the loop runs it as one bucket: :func:`work_micro_batches`), from its estimates
+        at that row count and twice it (:func:`affine_timing`), flash attention scaled by the
+        packed rows' ratio (:func:`executed_ratio`).
         """
         model, cluster, seq_len = self.model, self.cluster, self.train.seq_len
         stats = self.stats(())[0]
@@ -1002,15 +1012,15 @@ class _Planner:
                 f"no layout of {model.name} fits {cluster.num_gpus} x {cluster.gpu.name} at seq "
                 f"{seq_len}; `ds-stpar plan` names the closest layout and what would fit"
             )
-        ratio = stats.attention_ratio
+        ratio = executed_ratio(stats)
         best: StaticPlan | None = None
         self.unrunnable = None
         for est in found.top:
             s = est.strategy
-            m = static_micro_batches(stats.rows, s)
+            m = bucket_micro_batches(stats.rows, s)
             first = self.evaluator(seq_len, rows, ratio).estimate(s)
             second = self.evaluator(seq_len, 2 * rows, ratio).estimate(s)
-            timing = affine_timing(first, second, m)
+            timing = affine_timing(first, second, work_micro_batches(stats, s), m)
             if not runnable(s):
                 if self.unrunnable is None or timing.step_s < self.unrunnable[1]:
                     self.unrunnable = (s, timing.step_s)
@@ -1093,9 +1103,10 @@ class _Planner:
         for (lo, hi), option, peak, stats in zip(
             zip(bounds, bounds[1:]), (*away, home), peaks, buckets_stats
         ):
-            _, m, ratio = option.seconds(stats)
+            _, work, ratio = option.seconds(stats)
             s = option.strategy
-            timing = self.timing(hi, s, m, ratio)
+            m = bucket_micro_batches(stats.rows, s)
+            timing = self.timing(hi, s, work, ratio, m)
             shared = option is not home and option.key == home.key
             switch = 0.0
             if not (option is home or shared or option.key in switched):

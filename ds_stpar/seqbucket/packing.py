@@ -4,11 +4,10 @@ A :class:`Piece` is a document or a chunk of one (documents longer than the cont
 by :func:`~ds_stpar.seqbucket.lengths.split_lengths`, never dropped or truncated). Pieces are
 packed best-fit-decreasing (Ding et al. 2024, "Fewer truncations improve language modeling"):
 longest piece first, each into the open row with the least room that still holds it, else a
-new row. With buckets (:func:`pack_buckets`) a new row gets the edge of the piece's own bucket
-(the smallest edge that holds it) as its length, and a piece may also fill the room left in a
-longer bucket's row: a short document in the gap of a long row costs what the pad tokens it
-replaces cost, while packing each bucket alone leaves that gap padded and runs the short
-document in a row of its own.
+new row. With buckets (:func:`pack_buckets`) each bucket packs its own pieces into rows of
+its edge. A row's length bounds what a micro-batch holds (and what memory is planned for);
+the work is its real tokens: :func:`collate` feeds a micro-batch's rows end to end without
+their padding.
 
 A packed row of length ``T`` (the bucket edge) is a sequence of segments, one per piece,
 then one pad segment when the pieces leave room::
@@ -17,6 +16,9 @@ then one pad segment when the pieces leave room::
     position   |  0  1  2  3 |  0  1  2 |  0   1  |   restarts at every segment
     labels     | d0[1..3] -100| d1[1..2] -100 | -100 -100 |
     cu_seqlens  0             4          7         9 = T
+
+A micro-batch (:class:`PackedBatch`) has the same layout: the pieces of all its rows, then
+one pad segment up to a multiple of :func:`token_multiple` tokens.
 
 The label at position ``i`` is the document's next token, so no target crosses a document
 boundary. The last token of a document has no target (-100); the last token of a chunk that
@@ -29,6 +31,7 @@ flash-attention varlen on GPU, :func:`block_causal_mask` (a ``[T, T]`` matrix) o
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -75,41 +78,36 @@ class RowPlan:
 
 
 def pack_buckets(pieces: Sequence[Piece], edges: Sequence[int]) -> list[list[RowPlan]]:
-    """Best-fit-decreasing over buckets: ``rows[k]`` are rows of ``edges[k]`` tokens (edges
-    strictly increasing), every piece in exactly one row.
+    """Best-fit-decreasing per bucket: ``rows[k]`` are rows of ``edges[k]`` tokens (edges
+    strictly increasing) holding the pieces of bucket ``k`` (``edges[k - 1] < length <=
+    edges[k]``), every piece in exactly one row.
 
-    A piece of ``l`` tokens opens a row of the smallest edge ``>= l`` only when no open row,
-    of any bucket, has room for it. Pieces come longest first, so every row a piece could
-    join belongs to its own bucket or a longer one, and the rows opened per bucket are as
-    many as packing the bucket's pieces alone would leave after the shorter pieces already
-    went into the gaps of longer rows. Deterministic: ties in length keep input order; ties
-    in room go to the oldest row. ``O(P log P + P * R)`` for ``P`` pieces and ``R`` rows (the
-    insert into the sorted list of free room is a memmove).
+    Longest piece first, each into the open row of its own bucket with the least room that
+    still holds it, else a new row of that bucket. Pieces never fill a longer bucket's rows:
+    rows run without their padding (:func:`collate`), so a short piece in a long row's gap
+    would save nothing and run under the long bucket's costlier layout. Deterministic: ties
+    in length keep input order; ties in room go to the oldest row. ``O(P log P + P * R)`` for
+    ``P`` pieces and ``R`` rows (the insert into a sorted list of free room is a memmove).
     """
     edges = [int(e) for e in edges]
     if not edges or any(a >= b for a, b in zip(edges, edges[1:])):
         raise ValueError(f"bucket edges must be strictly increasing, got {edges}")
-    rows: list[list[Piece]] = []
-    bucket: list[int] = []  # bucket index of each row
-    free: list[tuple[int, int]] = []  # (room left, row index), sorted
+    rows: list[list[list[Piece]]] = [[] for _ in edges]
+    free: list[list[tuple[int, int]]] = [[] for _ in edges]  # per bucket: (room, row), sorted
     for piece in sorted(pieces, key=lambda p: -p.length):
         if not 0 < piece.length <= edges[-1]:
             raise ValueError(f"piece of {piece.length} tokens does not fit a {edges[-1]}-token row")
-        k = bisect.bisect_left(free, (piece.length, -1))
-        if k < len(free):
-            room, row = free.pop(k)
+        own = bisect.bisect_left(edges, piece.length)
+        k = bisect.bisect_left(free[own], (piece.length, -1))
+        if k < len(free[own]):
+            room, row = free[own].pop(k)
         else:
-            own = bisect.bisect_left(edges, piece.length)
-            room, row = edges[own], len(rows)
-            rows.append([])
-            bucket.append(own)
-        rows[row].append(piece)
+            room, row = edges[own], len(rows[own])
+            rows[own].append([])
+        rows[own][row].append(piece)
         if room > piece.length:
-            bisect.insort(free, (room - piece.length, row))
-    out: list[list[RowPlan]] = [[] for _ in edges]
-    for row, k in zip(rows, bucket):
-        out[k].append(RowPlan(edges[k], tuple(row)))
-    return out
+            bisect.insort(free[own], (room - piece.length, row))
+    return [[RowPlan(edge, tuple(row)) for row in bucket] for edge, bucket in zip(edges, rows)]
 
 
 @dataclass(frozen=True)
@@ -173,55 +171,72 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(mask, zero, torch.finfo(dtype).min)
 
 
+TOKEN_MULTIPLE = 8
+"""A micro-batch is fed as a multiple of this many tokens (and of the TP degree): tensor-core
+tiles, and sequence parallelism splits the tokens evenly over the TP ranks."""
+
+
+def token_multiple(tp: int) -> int:
+    """The multiple a micro-batch's length is rounded up to under ``tp``-way TP."""
+    return math.lcm(TOKEN_MULTIPLE, tp)
+
+
+def micro_batch_length(rows: Sequence[RowPlan], multiple: int) -> int:
+    """Tokens of the micro-batch of ``rows`` as :func:`collate` feeds it: their pieces end to
+    end, rounded up to a multiple of ``multiple`` (one multiple for padding rows alone)."""
+    tokens = sum(row.num_tokens for row in rows)
+    return max(1, math.ceil(tokens / multiple)) * multiple
+
+
 @dataclass(frozen=True)
 class PackedBatch:
-    """A micro-batch of ``b`` packed rows of ``T`` tokens.
+    """A micro-batch: the pieces of its rows end to end, then a pad segment up to ``T`` =
+    :func:`micro_batch_length` tokens (the layout of :class:`PackedRow`, one row).
 
-    ``cu_seqlens`` (int32) bounds the segments of the flattened ``b * T`` tokens (rows laid
-    end to end), the layout flash-attention varlen and Megatron's ``PackedSeqParams``
+    The rows' own padding is dropped: each segment attends only within itself, so where a
+    row ends changes nothing but the work, and pad tokens cost as much as real ones. A
+    micro-batch of padding rows (a DP rank short of rows) is ``multiple`` pad tokens. Row
+    lengths (the bucket edge) still bound the micro-batch, which is what memory is planned for.
+    ``cu_seqlens`` is the layout flash-attention varlen and Megatron's ``PackedSeqParams``
     (``qkv_format="thd"``) take; ``max_seqlen`` is its longest segment.
     """
 
-    input_ids: torch.Tensor  # int64 [b, T]
-    position_ids: torch.Tensor  # int64 [b, T]
-    labels: torch.Tensor  # int64 [b, T]
-    cu_seqlens: torch.Tensor  # int32 [S + 1], S segments over all rows
+    input_ids: torch.Tensor  # int64 [1, T]
+    position_ids: torch.Tensor  # int64 [1, T]
+    labels: torch.Tensor  # int64 [1, T]
+    cu_seqlens: torch.Tensor  # int32 [S + 1], cu_seqlens[-1] == T
     max_seqlen: int
-    rows: tuple[PackedRow, ...]
+    pieces: tuple[Piece, ...]  # pieces[k] occupies cu_seqlens[k]:cu_seqlens[k + 1]
 
     @property
     def num_targets(self) -> int:
         return int((self.labels != IGNORE_INDEX).sum())
 
     def attention_mask(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Block-diagonal causal mask ``[b, 1, T, T]``: bool (True = attend), or additive
+        """Block-diagonal causal mask ``[1, 1, T, T]``: bool (True = attend), or additive
         in ``dtype`` (0 / lowest value) for attention code that adds the mask to scores.
 
         HF transformers 5.x takes a 4-D mask as is: bool for ``sdpa``, additive for
         ``eager``. It can also derive the mask from ``position_ids`` alone, but only when no
         KV cache exists: pass ``use_cache=False``, else documents silently attend to each other.
         """
-        length = self.input_ids.shape[1]
-        mask = torch.stack([block_causal_mask(r.cu_seqlens, length) for r in self.rows])[:, None]
+        mask = block_causal_mask(self.cu_seqlens, self.input_ids.shape[1])[None, None]
         return mask if dtype is None else additive_mask(mask, dtype)
 
 
 def collate(
-    rows: Sequence[RowPlan], tokens: Callable[[int], np.ndarray], pad_id: int
+    rows: Sequence[RowPlan], tokens: Callable[[int], np.ndarray], pad_id: int, multiple: int = 1
 ) -> PackedBatch:
-    """Materialise equal-length rows into one :class:`PackedBatch`."""
-    packed = tuple(pack_row(row, tokens, pad_id) for row in rows)
-    length = rows[0].length
-    if any(row.length != length for row in rows):
-        raise ValueError(f"rows of one micro-batch differ in length: {[r.length for r in rows]}")
-    bounds = [torch.tensor([0], dtype=torch.int32)]
-    bounds += [row.cu_seqlens[1:] + i * length for i, row in enumerate(packed)]
-    cu_seqlens = torch.cat(bounds)
+    """Materialise the micro-batch of ``rows`` as one :class:`PackedBatch` of
+    :func:`micro_batch_length` tokens (``multiple``: :func:`token_multiple` of the layout)."""
+    pieces = tuple(piece for row in rows for piece in row.pieces)
+    length = micro_batch_length(rows, multiple)
+    row = pack_row(RowPlan(length, pieces), tokens, pad_id)
     return PackedBatch(
-        input_ids=torch.stack([r.input_ids for r in packed]),
-        position_ids=torch.stack([r.position_ids for r in packed]),
-        labels=torch.stack([r.labels for r in packed]),
-        cu_seqlens=cu_seqlens,
-        max_seqlen=int(torch.diff(cu_seqlens).max()),
-        rows=packed,
+        input_ids=row.input_ids[None],
+        position_ids=row.position_ids[None],
+        labels=row.labels[None],
+        cu_seqlens=row.cu_seqlens,
+        max_seqlen=int(torch.diff(row.cu_seqlens).max()),
+        pieces=pieces,
     )

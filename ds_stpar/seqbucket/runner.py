@@ -36,10 +36,13 @@ exist at once.
 The sum of these over all micro-batches of all ranks is the mean token loss of the
 mini-batch, so the gradient is independent of bucketing, packing and layout.
 
-Packed rows. A micro-batch of ``b`` rows of ``T`` tokens is fed as ONE ``thd`` row of
-``b*T`` tokens: ``PackedSeqParams(qkv_format="thd", cu_seqlens_q = cu_seqlens_kv = the rows'
-segments laid end to end)`` and position ids restarting at every segment, so no token
-attends across a document (or row) boundary.
+Packed rows. A micro-batch of ``b`` rows is fed as ONE ``thd`` row: the pieces of its rows
+end to end, without the rows' padding, rounded up to a multiple of
+:func:`~ds_stpar.seqbucket.packing.token_multiple` of the layout's TP degree
+(:func:`~ds_stpar.seqbucket.packing.collate`), with ``PackedSeqParams(qkv_format="thd",
+cu_seqlens_q = cu_seqlens_kv = the segments)`` and position ids restarting at every segment,
+so no token attends across a document boundary. The work of a micro-batch is its real tokens;
+a padding micro-batch (a DP rank short of rows) is a few pad tokens.
 
 DP arithmetic under DeepSpeed (home layout, ``d`` DP ranks). DeepSpeed *averages* gradients
 over its DP group; the sum of token losses is wanted. The home loss is therefore scaled by
@@ -91,7 +94,13 @@ from ds_stpar.config import Layout, ModelSpec, Strategy, model_key
 from ds_stpar.errors import ConfigError
 from ds_stpar.layers.cross_entropy import vocab_parallel_linear_cross_entropy
 from ds_stpar.parallel import GroupCache, LayoutGroups
-from ds_stpar.seqbucket.packing import PackedBatch, RowPlan, collate
+from ds_stpar.seqbucket.packing import (
+    PackedBatch,
+    RowPlan,
+    collate,
+    micro_batch_length,
+    token_multiple,
+)
 from ds_stpar.seqbucket.pipeline import PipelineStage
 from ds_stpar.seqbucket.sampler import BucketPlan, MicroBatch, MiniBatchPlan
 from ds_stpar.seqbucket.shards import (
@@ -372,6 +381,7 @@ class StepStats:
     optimizer_s: float = 0.0
     bucket_s: dict[int, float] = field(default_factory=dict)
     micro_batches: dict[int, int] = field(default_factory=dict)
+    bucket_tokens: dict[int, int] = field(default_factory=dict)  # real tokens, all ranks
     layouts: list[str] = field(default_factory=list)
     switches: int = 0
 
@@ -379,6 +389,7 @@ class StepStats:
         out = dataclasses.asdict(self)
         out["bucket_s"] = {str(k): v for k, v in self.bucket_s.items()}
         out["micro_batches"] = {str(k): v for k, v in self.micro_batches.items()}
+        out["bucket_tokens"] = {str(k): v for k, v in self.bucket_tokens.items()}
         return out
 
 
@@ -465,12 +476,12 @@ def _sequence_parallel_params(
 
 
 def packed_inputs(batch: PackedBatch, device: torch.device):
-    """``[1, b*T]`` ids, positions and labels and the ``thd`` PackedSeqParams of a micro-batch."""
+    """``[1, T]`` ids, positions and labels and the ``thd`` PackedSeqParams of a micro-batch."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    ids = batch.input_ids.reshape(1, -1).to(device)
-    positions = batch.position_ids.reshape(1, -1).to(device)
-    labels = batch.labels.reshape(1, -1).to(device)
+    ids = batch.input_ids.to(device)
+    positions = batch.position_ids.to(device)
+    labels = batch.labels.to(device)
     cu = batch.cu_seqlens.to(device=device, dtype=torch.int32)
     params = PackedSeqParams(
         qkv_format="thd",
@@ -571,7 +582,8 @@ class BucketRunner:
         """Megatron-core stage forward: the loss on the last stage, else the hidden state."""
         from ds_stpar.integrations.megatron import head_weight
 
-        batch = collate(mb.rows, self.tokens, self.pad_id)
+        multiple = token_multiple(model.strategy.layout.tp)
+        batch = collate(mb.rows, self.tokens, self.pad_id, multiple)
         ids, positions, labels, params = packed_inputs(batch, self.device)
         if hidden is not None:
             model.module.set_input_tensor(hidden)
@@ -644,11 +656,13 @@ class BucketRunner:
     @staticmethod
     def _hidden_shape(model: LayoutModel, mb: MicroBatch) -> tuple[int, int, int]:
         """What passes between pipeline stages: ``[S/tp, 1, h]`` for a micro-batch of ``S``
-        packed tokens (split over TP under sequence parallelism)."""
+        tokens as :func:`~ds_stpar.seqbucket.packing.collate` feeds it (split over TP under
+        sequence parallelism)."""
         config = model.module.config
-        tokens = sum(row.length for row in mb.rows)
+        tp = model.strategy.layout.tp
+        tokens = micro_batch_length(mb.rows, token_multiple(tp))
         if config.sequence_parallel:
-            tokens //= model.strategy.layout.tp
+            tokens //= tp
         return (tokens, 1, config.hidden_size)
 
     def _switch_weights(self, key: Strategy) -> None:
@@ -746,6 +760,7 @@ class BucketRunner:
             stats.switch_s += (t1 - t0) + (t3 - t2)
             stats.bucket_s[bucket.edge] = stats.bucket_s.get(bucket.edge, 0.0) + (t2 - t1)
             stats.micro_batches[bucket.edge] = len(mbs)
+            stats.bucket_tokens[bucket.edge] = bucket.num_tokens
             stats.layouts.append(bucket.strategy.layout.short())
         dist.all_reduce(loss_sum)
         stats.loss = float(loss_sum)

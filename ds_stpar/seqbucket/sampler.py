@@ -10,14 +10,15 @@ Per mini-batch (:meth:`BucketSampler.plan`, a pure function of the epoch and the
 every rank computes the same plan with no communication):
 
 1. a piece's own bucket is the one whose edge is the smallest ``>=`` its length;
-2. the pieces are packed best-fit-decreasing into rows of their bucket's edge, a shorter
-   bucket's piece also filling the room left in a longer bucket's row
-   (:func:`~ds_stpar.seqbucket.packing.pack_buckets`): it then runs under that bucket's
-   layout, in place of pad tokens;
+2. each bucket's pieces are packed best-fit-decreasing into rows of its edge
+   (:func:`~ds_stpar.seqbucket.packing.pack_buckets`);
 3. rows are dealt to the bucket strategy's ``dp`` ranks by predicted cost
    (:func:`balance_rows`) and grouped into micro-batches of ``strategy.micro_batch`` rows; a
-   rank short of rows gets padding rows (all PAD, every label -100: zero weight), so every
-   DP rank runs the same number of micro-batches of the same shape. No row is dropped.
+   rank short of rows gets padding rows (no pieces: zero weight), so every DP rank runs the
+   same number of micro-batches (the collectives inside a micro-batch keep the ranks in
+   step). No row is dropped. A micro-batch runs its rows' pieces end to end without their
+   padding (:func:`~ds_stpar.seqbucket.packing.collate`): a padding row costs nothing, a
+   micro-batch of padding rows a few pad tokens.
 
 The plan carries the mini-batch's number of target tokens: the loss divisor
 (:func:`~ds_stpar.seqbucket.loss.token_loss`) that makes the gradient independent of the
@@ -46,8 +47,8 @@ class RowCost:
 
     Per layer and token a transformer spends ``24 h**2`` FLOPs in its linear layers (QKV,
     output, 4h MLP) and, with causal attention over a segment of ``l`` tokens, ``2 l h`` in
-    scores and values; their ratio gives the quadratic term. Padding is left out: every row
-    of a bucket has the same length, so pad tokens add the same to every rank.
+    scores and values; their ratio gives the quadratic term. Padding is left out: the
+    runner does not compute it (:func:`~ds_stpar.seqbucket.packing.collate`).
     """
 
     hidden_size: int = 4096
@@ -59,7 +60,8 @@ class RowCost:
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """``strategy.micro_batch`` rows of one bucket's edge length (padding rows included)."""
+    """``strategy.micro_batch`` rows of one bucket's edge length (padding rows included; they
+    are not computed, :func:`~ds_stpar.seqbucket.packing.collate`)."""
 
     rows: tuple[RowPlan, ...]
 
@@ -94,6 +96,11 @@ class BucketPlan:
     @property
     def num_targets(self) -> int:
         return sum(mb.num_targets for rank in self.ranks for mb in rank)
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-pad) tokens over all DP ranks."""
+        return sum(row.num_tokens for rank in self.ranks for mb in rank for row in mb.rows)
 
     def micro_batches(self, dp_rank: int) -> tuple[MicroBatch, ...]:
         return self.ranks[dp_rank]
