@@ -26,7 +26,11 @@ second run beside the first) on the same corpus
 The table compares, per plan, the planner's predicted step and switch time (the switch planner's
 bandwidth bound) with the measured means of ``metrics.jsonl`` (the first step excluded: it
 warms up the allocator and NCCL), and the speedups over ``static``, predicted and measured
-(ratio of tokens/s over all timed steps). Plan with the ``--stack`` the runs use: the default,
+(ratio of tokens/s over all timed steps). "pred (steps run)" re-weights each bucket's
+predicted time by the tokens the timed steps really put in it (:func:`steps_run_prediction`):
+a few steps of context-long rows hold more or fewer long rows than the expected step the
+planner predicts, and this column separates that sampling from the cost model's error (its
+error in brackets after the expected step's). Plan with the ``--stack`` the runs use: the default,
 ``megatron-core-local``, is what ``launch/pretrain.py`` builds (the fifth session planned with
 ``--stack fused`` by mistake, which hid that DP2 with ZeRO-2 fits where it said it did not).
 ``--gpu`` names the planner's GPU preset (default: from the device name). Set
@@ -127,13 +131,20 @@ def train(name: str, report: dict, args: argparse.Namespace, corpus: str) -> dic
     return summarize(os.path.join(run_dir, "metrics.jsonl"))
 
 
-def summarize(metrics_path: str) -> dict:
-    """Means over the timed steps, not medians: a step of a few rows of the context holds a
-    different number of rows per bucket each time (e.g. 3-5 home micro-batches), and the
-    planner predicts the expected step. Every plan runs the same steps of the same sampler,
-    so throughput (all timed tokens over all timed seconds) compares them directly."""
+def timed_steps(metrics_path: str) -> list[dict]:
+    """The steps of a metrics.jsonl after the first, which warms up the allocator and NCCL."""
     rows = [json.loads(line) for line in open(metrics_path)]
-    timed = rows[1:] or rows  # the first step warms up the allocator and NCCL
+    return rows[1:] or rows
+
+
+def summarize(metrics_path: str, timed: list[dict] | None = None) -> dict:
+    """Means over the timed steps (default :func:`timed_steps`), not medians: a step of a few
+    rows of the context holds a different number of rows per bucket each time (e.g. 3-5 home
+    micro-batches), and the planner predicts the expected step. Every plan runs the same
+    steps of the same sampler, so throughput (all timed tokens over all timed seconds)
+    compares them directly."""
+    rows = [json.loads(line) for line in open(metrics_path)]
+    timed = timed or timed_steps(metrics_path)
     seconds = sum(r["step_s"] for r in timed)
     return {
         "steps": len(timed),
@@ -141,6 +152,11 @@ def summarize(metrics_path: str) -> dict:
         "median_step_s": statistics.median(r["step_s"] for r in timed),
         "switch_s": sum(r["switch_s"] for r in timed) / len(timed),
         "tokens_per_s": sum(r["tokens"] for r in timed) / seconds,
+        # mean real tokens per bucket edge per timed step (older metrics lack them)
+        "bucket_tokens": {
+            edge: sum(r.get("bucket_tokens", {}).get(edge, 0) for r in timed) / len(timed)
+            for edge in timed[0].get("bucket_tokens", {})
+        },
         "peak_gib": max((r.get("peak_gib") or 0.0) for r in rows),
         "peak_gib_ranks": rows[-1].get("peak_gib_ranks"),  # peaks since the start, per rank
         "loss_first": rows[0]["loss"],
@@ -148,13 +164,35 @@ def summarize(metrics_path: str) -> dict:
     }
 
 
+def steps_run_prediction(report: dict, measured: dict | None) -> float | None:
+    """The plan's predicted step for the timed steps' own mix of buckets: each bucket's
+    predicted seconds per token times its mean measured tokens per step, plus its switch when
+    it ran, plus the home's update. The planner predicts the expected step; a few steps of
+    rows as long as the context hold more or fewer long rows than expected, and this
+    separates that sampling from the cost model's error. None without per-bucket figures."""
+    if measured is None or not measured.get("bucket_tokens") or "update_s" not in report:
+        return None
+    step = report["update_s"]
+    for bucket in report["buckets"]:
+        tokens = measured["bucket_tokens"].get(str(bucket["edge"]), 0.0)
+        if tokens and bucket["tokens_per_step"]:
+            step += bucket["time_s"] * tokens / bucket["tokens_per_step"] + bucket["switch_s"]
+    return step
+
+
 def table(label: str, gpu: str, reports: dict, measured: dict) -> str:
     head = (
-        "| link | plan | buckets (edge: strategy) | step s pred | meas | err | switch s bound "
-        "| meas | tokens/s | speedup pred | meas | peak GiB pred (total) | meas (allocated) |"
+        "| link | plan | buckets (edge: strategy) | step s pred | pred (steps run) | meas "
+        "| err (steps run) | switch s bound | meas | tokens/s | speedup pred | pred (steps run) "
+        "| meas | peak GiB pred (total) | meas (allocated) |"
     )  # step and switch: means over the timed steps; speedup: ratio of tokens/s
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     base_meas = measured.get("static", {}).get("tokens_per_s")
+    base_run = (
+        steps_run_prediction(reports["static"], measured.get("static"))
+        if ("static" in reports)
+        else None
+    )
     for name, rep in reports.items():
         m = measured.get(name)
         pred = rep["bucketed_step_s"]
@@ -164,21 +202,55 @@ def table(label: str, gpu: str, reports: dict, measured: dict) -> str:
         base_pred = static["bucketed_step_s"] if static else rep.get("static_step_s")
         speed_pred = f"{base_pred / pred:.3f}x" if base_pred else "n/a"
         peak_pred = max(b["peak_memory_gib"] for b in rep["buckets"])
+        run = steps_run_prediction(rep, m)
+        run_s = f"{run:.3f}" if run else "n/a"
+        speed_run = f"{base_run / run:.3f}x" if run and base_run else "n/a"
         if m is None:
             meas = err = sw = tps = speed = peak = "failed"
         else:
             peak = f"{m['peak_gib']:.1f}"
             meas = f"{m['step_s']:.3f}"
             err = f"{pred / m['step_s'] - 1:+.1%}"
+            if run:
+                err += f" ({run / m['step_s'] - 1:+.1%})"
             sw = f"{m['switch_s']:.3f}"
             tps = f"{m['tokens_per_s']:,.0f}"
             speed = f"{m['tokens_per_s'] / base_meas:.3f}x" if base_meas else "n/a"
         lines.append(
-            f"| {label} | {name} | {layouts(rep)} | {pred:.3f} | {meas} | {err} "
-            f"| {rep['switch_s']:.3f} | {sw} | {tps} | {speed_pred} | {speed} "
+            f"| {label} | {name} | {layouts(rep)} | {pred:.3f} | {run_s} | {meas} | {err} "
+            f"| {rep['switch_s']:.3f} | {sw} | {tps} | {speed_pred} | {speed_run} | {speed} "
             f"| {peak_pred:.1f} | {peak} |"
         )
     return f"planner preset {gpu}\n" + "\n".join(lines)
+
+
+def merge(folders: list[str], label: str) -> None:
+    """Print one table for the plans of several runs of this script over other data orders
+    (``--seed``), pooling the timed steps that every plan of a run completed (a run cut short
+    by a time limit counts only the steps all its plans reached). The plans must be the same
+    in every run; their predictions come from the first run that wrote a summary.json."""
+    summaries = [os.path.join(f, "summary.json") for f in folders]
+    first = next((json.load(open(p)) for p in summaries if os.path.exists(p)), None)
+    if first is None:
+        raise SystemExit("--merge: no summary.json in " + ", ".join(folders))
+    reports = first["plans"]
+    pooled: dict[str, list[dict]] = {name: [] for name in reports}
+    for folder in folders:
+        runs = {}
+        for name, rep in reports.items():
+            config = config_report(os.path.join(folder, name, "ds_stpar.json"))
+            if layouts(config) != layouts(rep):
+                raise SystemExit(f"--merge: {folder}/{name} ran {layouts(config)}")
+            runs[name] = timed_steps(os.path.join(folder, name, "run", "metrics.jsonl"))
+        common = set.intersection(*({r["step"] for r in rows} for rows in runs.values()))
+        for name, rows in runs.items():
+            pooled[name] += [r for r in rows if r["step"] in common]
+    measured = {}
+    for name, rows in pooled.items():
+        metrics = os.path.join(folders[0], name, "run", "metrics.jsonl")
+        measured[name] = summarize(metrics, rows)
+        print(f"{name}: {len(rows)} timed steps from {len(folders)} runs", flush=True)
+    print(table(label, first["gpu"], reports, measured))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -223,8 +295,20 @@ def main(argv: list[str] | None = None) -> None:
         help="deepspeed launcher arguments instead of --num_gpus (e.g. "
         '"--include localhost:2,3 --master_port 29600" for a second run beside the first)',
     )
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", help="folder for the plans, runs and summary.json")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="OUT",
+        help="print one table for earlier runs' --out folders (other --seed data orders of "
+        "the same plans), their timed steps pooled; runs nothing",
+    )
     args = parser.parse_args(argv)
+    if args.merge:
+        merge(args.merge, args.label)
+        return
+    if not args.out:
+        parser.error("--out is required (or --merge)")
     os.makedirs(args.out, exist_ok=True)
     corpus = args.data
     if corpus is None:
