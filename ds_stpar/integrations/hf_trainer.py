@@ -83,7 +83,6 @@ from ds_stpar.layers.hf import apply_stpar, full_state_dict, linear_shape
 from ds_stpar.parallel import GroupCache
 from ds_stpar.seqbucket.data import Documents
 from ds_stpar.seqbucket.loss import token_loss
-from ds_stpar.seqbucket.packing import collate, token_multiple
 from ds_stpar.seqbucket.runner import BucketRunner, LayoutModel, check_strategies, model_key
 from ds_stpar.seqbucket.sampler import BucketSampler, MicroBatch, RowCost
 from ds_stpar.seqbucket.shards import ParamSpec
@@ -299,8 +298,7 @@ class HFBucketRunner(BucketRunner):
 
     def _loss(self, module, model: LayoutModel, mb: MicroBatch, num_targets: int):
         """Packed rows through the HF forward; sum of token losses / the mini-batch's count."""
-        multiple = token_multiple(model.strategy.layout.tp)
-        batch = collate(mb.rows, self.tokens, self.pad_id, multiple)
+        batch = self._batch(model, mb)
         out = module(
             input_ids=batch.input_ids.to(self.device),
             position_ids=batch.position_ids.to(self.device),

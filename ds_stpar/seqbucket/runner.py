@@ -572,6 +572,12 @@ class BucketRunner:
             mbs = (MicroBatch((RowPlan(bucket.edge),)),)
         return mbs
 
+    def _batch(self, model: LayoutModel, mb: MicroBatch) -> PackedBatch:
+        """The micro-batch as fed to ``model``: its rows' pieces end to end, a multiple of
+        :func:`~ds_stpar.seqbucket.packing.token_multiple` of the layout's TP degree."""
+        multiple = token_multiple(model.strategy.layout.tp)
+        return collate(mb.rows, self.tokens, self.pad_id, multiple)
+
     def _loss(self, module, model: LayoutModel, mb: MicroBatch, num_targets: int) -> Tensor:
         """A micro-batch's loss through a whole (not pipelined) megatron-core model."""
         return self._forward_stage(module, model, mb, num_targets, None)
@@ -582,9 +588,7 @@ class BucketRunner:
         """Megatron-core stage forward: the loss on the last stage, else the hidden state."""
         from ds_stpar.integrations.megatron import head_weight
 
-        multiple = token_multiple(model.strategy.layout.tp)
-        batch = collate(mb.rows, self.tokens, self.pad_id, multiple)
-        ids, positions, labels, params = packed_inputs(batch, self.device)
+        ids, positions, labels, params = packed_inputs(self._batch(model, mb), self.device)
         if hidden is not None:
             model.module.set_input_tensor(hidden)
         out = module(ids, positions, None, packed_seq_params=params)
