@@ -685,8 +685,9 @@ def report_markdown(
         lines += [f"- {line}" for line in bucket_summary(buckets)]
         lines += ["", *_md_table(BUCKET_HEADERS, bucket_rows(buckets)), ""]
         lines += [
-            "Per step, expected: packed rows and micro-batches per DP rank (padding rows "
-            "included), forward + backward seconds, switch seconds (weights in, gradients "
+            "Per step, expected: packed rows and micro-batches run per DP rank (padding "
+            "ones included; they cost a few pad tokens), forward + backward seconds of the "
+            "real tokens, switch seconds (weights in, gradients "
             "out), peak memory per GPU while the bucket runs, its switches included "
             "(docs/seqbucket.md). The ranked layouts below are for full-length sequences.",
             "",
