@@ -128,34 +128,34 @@ def train(name: str, report: dict, args: argparse.Namespace, corpus: str) -> dic
     if code:
         print(f"{name}: exit {code}, see {name}.log", file=sys.stderr, flush=True)
         return None
-    return summarize(os.path.join(run_dir, "metrics.jsonl"))
+    return summarize(read_metrics(os.path.join(run_dir, "metrics.jsonl")))
 
 
-def timed_steps(metrics_path: str) -> list[dict]:
-    """The steps of a metrics.jsonl after the first, which warms up the allocator and NCCL."""
-    rows = [json.loads(line) for line in open(metrics_path)]
-    return rows[1:] or rows
+def read_metrics(metrics_path: str) -> list[dict]:
+    """Every step of a metrics.jsonl."""
+    return [json.loads(line) for line in open(metrics_path)]
 
 
-def summarize(metrics_path: str, timed: list[dict] | None = None) -> dict:
-    """Means over the timed steps (default :func:`timed_steps`), not medians: a step of a few
-    rows of the context holds a different number of rows per bucket each time (e.g. 3-5 home
-    micro-batches), and the planner predicts the expected step. Every plan runs the same
-    steps of the same sampler, so throughput (all timed tokens over all timed seconds)
-    compares them directly."""
-    rows = [json.loads(line) for line in open(metrics_path)]
-    timed = timed or timed_steps(metrics_path)
+def summarize(rows: list[dict], timed: list[dict] | None = None) -> dict:
+    """Means over the timed steps (default: every step of ``rows`` after the first, which
+    warms up the allocator and NCCL), not medians: a step of a few rows of the context holds
+    a different number of rows per bucket each time (e.g. 3-5 home micro-batches), and the
+    planner predicts the expected step. Every plan runs the same steps of the same sampler,
+    so throughput (all timed tokens over all timed seconds) compares them directly. Peaks and
+    losses are read over all of ``rows``."""
+    timed = timed or rows[1:] or rows
     seconds = sum(r["step_s"] for r in timed)
+    edges = {edge for r in timed for edge in r.get("bucket_tokens", {})}  # older metrics: none
     return {
         "steps": len(timed),
         "step_s": seconds / len(timed),
         "median_step_s": statistics.median(r["step_s"] for r in timed),
         "switch_s": sum(r["switch_s"] for r in timed) / len(timed),
         "tokens_per_s": sum(r["tokens"] for r in timed) / seconds,
-        # mean real tokens per bucket edge per timed step (older metrics lack them)
+        # mean real tokens per bucket edge per timed step (a step without the bucket: 0)
         "bucket_tokens": {
             edge: sum(r.get("bucket_tokens", {}).get(edge, 0) for r in timed) / len(timed)
-            for edge in timed[0].get("bucket_tokens", {})
+            for edge in sorted(edges, key=int)
         },
         "peak_gib": max((r.get("peak_gib") or 0.0) for r in rows),
         "peak_gib_ranks": rows[-1].get("peak_gib_ranks"),  # peaks since the start, per rank
@@ -234,6 +234,7 @@ def merge(folders: list[str], label: str) -> None:
     if first is None:
         raise SystemExit("--merge: no summary.json in " + ", ".join(folders))
     reports = first["plans"]
+    everything: dict[str, list[dict]] = {name: [] for name in reports}
     pooled: dict[str, list[dict]] = {name: [] for name in reports}
     for folder in folders:
         runs = {}
@@ -241,14 +242,15 @@ def merge(folders: list[str], label: str) -> None:
             config = config_report(os.path.join(folder, name, "ds_stpar.json"))
             if layouts(config) != layouts(rep):
                 raise SystemExit(f"--merge: {folder}/{name} ran {layouts(config)}")
-            runs[name] = timed_steps(os.path.join(folder, name, "run", "metrics.jsonl"))
-        common = set.intersection(*({r["step"] for r in rows} for rows in runs.values()))
+            runs[name] = read_metrics(os.path.join(folder, name, "run", "metrics.jsonl"))
+        # the first step of a run warms up; then the steps every plan of the run reached
+        common = set.intersection(*({r["step"] for r in rows[1:]} for rows in runs.values()))
         for name, rows in runs.items():
+            everything[name] += rows
             pooled[name] += [r for r in rows if r["step"] in common]
     measured = {}
     for name, rows in pooled.items():
-        metrics = os.path.join(folders[0], name, "run", "metrics.jsonl")
-        measured[name] = summarize(metrics, rows)
+        measured[name] = summarize(everything[name], rows)
         print(f"{name}: {len(rows)} timed steps from {len(folders)} runs", flush=True)
     print(table(label, first["gpu"], reports, measured))
 
