@@ -159,6 +159,8 @@ def summarize(rows: list[dict], timed: list[dict] | None = None) -> dict:
         },
         "peak_gib": max((r.get("peak_gib") or 0.0) for r in rows),
         "peak_gib_ranks": rows[-1].get("peak_gib_ranks"),  # peaks since the start, per rank
+        "peak_reserved_gib": max((r.get("peak_reserved_gib") or 0.0) for r in rows),
+        "device_gib": rows[-1].get("device_gib"),
         "loss_first": rows[0]["loss"],
         "loss_last": rows[-1]["loss"],
     }

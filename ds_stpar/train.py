@@ -269,22 +269,28 @@ def metrics_row(step: int, stats, flops: float, world: int, gpu: str, lr: float)
     cuda = torch.cuda.is_available()
     row["mfu"] = row["tflops"] / peak if cuda and peak else None
     row["lr"] = lr
-    ranks = _peak_gib_of_ranks() if cuda else None
-    row["peak_gib"] = max(ranks) if ranks else None
-    row["peak_gib_ranks"] = ranks
+    allocated, reserved = _memory_peaks_of_ranks() if cuda else (None, None)
+    row["peak_gib"] = max(allocated) if allocated else None
+    row["peak_gib_ranks"] = allocated
+    row["peak_reserved_gib"] = max(reserved) if reserved else None
+    row["device_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else None
     return row
 
 
-def _peak_gib_of_ranks() -> list[float]:
-    """Every rank's peak of allocated GPU memory, by global rank (collective): pipeline
-    stages, and layouts that place a parameter on some ranks only, differ, and the plan must
-    fit on the fullest GPU."""
-    peak = torch.tensor([float(torch.cuda.max_memory_allocated())], device="cuda")
+def _memory_peaks_of_ranks() -> tuple[list[float], list[float]]:
+    """Every rank's peaks of allocated and of reserved GPU memory in GiB, by global rank
+    (collective): pipeline stages, and layouts that place a parameter on some ranks only,
+    differ, and the plan must fit on the fullest GPU; reserved less allocated is what the
+    caching allocator holds beyond the tensors (the planner's allocator headroom)."""
+    peak = torch.tensor(
+        [float(torch.cuda.max_memory_allocated()), float(torch.cuda.max_memory_reserved())],
+        device="cuda",
+    )
     peaks = [peak]
     if torch.distributed.is_initialized():
         peaks = [torch.empty_like(peak) for _ in range(torch.distributed.get_world_size())]
         torch.distributed.all_gather(peaks, peak)
-    return [p.item() / 2**30 for p in peaks]
+    return [p[0].item() / 2**30 for p in peaks], [p[1].item() / 2**30 for p in peaks]
 
 
 def _write_atomic(path: Path, text: str) -> None:
