@@ -542,6 +542,12 @@ class Strategy:
         if self.vpp_layers < 0 or self.first_stage_layers < 0 or self.last_stage_layers < 0:
             raise ConfigError("vpp_layers and first/last stage layers must be >= 0")
 
+    @property
+    def runs_fused_ring_mlp(self) -> bool:
+        """Whether the MLP runs as one fused ring pass: a ring layout over more than one GPU
+        with ``fused_ring_mlp`` on."""
+        return self.layout.tp > 1 and self.layout.tp_mode == "ring" and self.fused_ring_mlp
+
     def short(self) -> str:
         parts = [self.layout.short(), f"mb{self.micro_batch}", f"z{self.zero}"]
         if self.recompute != "none":

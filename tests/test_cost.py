@@ -44,7 +44,7 @@ from ds_stpar.errors import ConfigError, StparError
 from ds_stpar.planner import cost
 from ds_stpar.planner import memory as mem
 from ds_stpar.planner.comm import placement
-from ds_stpar.planner.compute import Speed, attention_core
+from ds_stpar.planner.compute import Speed, attention_core, local_block_elementwise
 from ds_stpar.planner.cost import (
     StageCost,
     estimate,
@@ -273,6 +273,27 @@ def test_local_flash_pads_head_dims_to_a_multiple_of_8():
     base = mem.layer_activations(llama, seq=4096, e=2, flash=True, local=True)
     f = llama.ffn_hidden_size
     assert base.parallel == pytest.approx(2 * 3 * 4096 + 2 * 4096 + 4 * 32 + 10 * f)
+
+
+def test_fused_swiglu_keeps_what_the_published_stack_keeps():
+    # megatron-core's fused SwiGLU saves fc1's output (2e f) and fc2 its input (e f): the
+    # 3 e f the published stack is counted with; the local stack's unfused GLU also keeps the
+    # SiLU output and the zero-offset sum (5 e f). At head dim 128 nothing else differs in
+    # the parallel part (the norm statistics are residual).
+    llama = MODEL_PRESETS["llama2-7b"]
+    local = mem.layer_activations(llama, seq=4096, e=2, flash=True, local=True)
+    published = mem.layer_activations(llama, seq=4096, e=2, flash=True, local=False)
+    fused = mem.fused_glu_activations(local, llama, 2)
+    assert local.parallel - fused.parallel == 2 * 2 * llama.ffn_hidden_size
+    assert fused.parallel == published.parallel
+    assert (fused.residual, fused.scores, fused.whole) == (
+        local.residual,
+        local.scores,
+        local.whole,
+    )
+    gelu = gpt("g", 2048, 2, 128)  # not gated: nothing to fuse
+    plain = mem.layer_activations(gelu, seq=4096, e=2, flash=True, local=True)
+    assert mem.fused_glu_activations(plain, gelu, 2) == plain
 
 
 def test_inflight_micro_batches():
@@ -586,6 +607,46 @@ def test_gemm_roofline_for_skinny_shapes():
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results" / "2026-11-26-2xH200"
 H200 = load_gpu("h200-141g")
 LOCAL = "megatron-core-local"
+
+
+@pytest.mark.parametrize(
+    "layout, fused_ring, stack, gated, expected",
+    [
+        (Layout(tp=2, tp_mode="ring"), False, LOCAL, True, True),  # two ring linears
+        (Layout(tp=2, tp_mode="ring"), True, LOCAL, True, False),  # the fused ring MLP's own act
+        (Layout(tp=2), True, LOCAL, True, True),  # Megatron TP: fused_ring_mlp ignored
+        (Layout(tp=1, tp_mode="ring"), True, LOCAL, True, True),  # one GPU: no ring pass
+        (Layout(tp=2), False, "fused", True, False),  # the published stack: counted fused already
+        (Layout(tp=2), False, LOCAL, False, False),  # GeLU: no GLU
+    ],
+)
+def test_which_strategies_run_the_fused_swiglu(layout, fused_ring, stack, gated, expected):
+    # the planner's flag follows integrations.megatron.fused_swiglu on a GPU (the stack it
+    # plans for) and megatron-core's local stack only
+    from ds_stpar.integrations.megatron import fused_swiglu
+
+    model = MODEL_PRESETS["llama2-7b"] if gated else gpt("g", 2048, 2, 128)
+    strategy = Strategy(layout, sequence_parallel=True, fused_ring_mlp=fused_ring, zero=0)
+    cal = Calibration.load_default("h100-80g", stack=stack)
+    ev = cost.Evaluator(model, ClusterSpec(H100, 2), TrainSpec(4096, 8), cal)
+    assert cost._Context(ev, strategy).fused_glu is expected
+    if stack == LOCAL:
+        assert fused_swiglu(model, strategy, cuda=True) is expected
+    assert fused_swiglu(model, strategy, cuda=False) is False  # CPU: unfused, no compile
+
+
+def test_fused_swiglu_moves_8ef_where_the_unfused_glu_moves_20ef():
+    # per token and layer inside the TP region: forward 7e f -> 3e f (one kernel reading fc1's
+    # output 2f, writing f), backward 13e f -> 5e f (reading the gradient f and fc1's output
+    # 2f, writing 2f), both at the calibration's memory efficiency
+    llama = MODEL_PRESETS["llama2-7b"]
+    cal = Calibration.load_default("h100-80g", stack=LOCAL)
+    speed = Speed(H100, cal, None, 2)
+    tokens, tp, f = 8192, 2, llama.ffn_hidden_size
+    unfused = local_block_elementwise(llama, tokens, tp, True, speed, fused_glu=False)
+    fused = local_block_elementwise(llama, tokens, tp, True, speed, fused_glu=True)
+    assert unfused.fwd - fused.fwd == pytest.approx(speed.memory(tokens * 4 * 2 * f / tp))
+    assert unfused.bwd - fused.bwd == pytest.approx(speed.memory(tokens * 8 * 2 * f / tp))
 
 
 def _profile_tables(path: Path) -> list[dict]:

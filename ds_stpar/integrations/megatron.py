@@ -48,6 +48,17 @@ def set_full_recompute(config: TransformerConfig, recompute: str) -> None:
         setattr(config, name, value)
 
 
+def fused_swiglu(model: ModelSpec, strategy: Strategy, cuda: bool) -> bool:
+    """Whether the MLP runs megatron-core's fused SwiGLU (``bias_activation_fusion``: one
+    ``torch.compile``d kernel each way, saving only fc1's output): on GPU, for gated MLPs,
+    except under the fused ring MLP, whose own pass computes the activation
+    (``layers/mlp.py``). Per token and layer it keeps 3 e f / t bytes where the unfused GLU
+    keeps 5 e f / t (fc1's output, the SiLU output, the zero-offset sum, fc2's input) and
+    moves 8 e f / t bytes where that moves 20 e f / t. On CPU the GLU stays unfused:
+    inductor's first compile costs ~20 s per process, the CPU runs are tests of tiny models."""
+    return cuda and model.gated and not strategy.runs_fused_ring_mlp
+
+
 def transformer_config(
     model: ModelSpec, strategy: Strategy, dtype: str = "bf16", **overrides
 ) -> TransformerConfig:
@@ -78,7 +89,7 @@ def transformer_config(
         bf16=dtype == "bf16",
         fp16=dtype == "fp16",
         use_cpu_initialization=not torch.cuda.is_available(),
-        bias_activation_fusion=False,
+        bias_activation_fusion=fused_swiglu(model, strategy, torch.cuda.is_available()),
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,

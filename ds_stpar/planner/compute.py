@@ -201,7 +201,12 @@ ELEMENTWISE_BACKWARD_RATIO = 2.0  # backward reads grad + saved input, writes gr
 
 
 def block_elementwise(
-    model: ModelSpec, tokens: float, tp: int, sharded_boundary: bool, speed: Speed
+    model: ModelSpec,
+    tokens: float,
+    tp: int,
+    sharded_boundary: bool,
+    speed: Speed,
+    fused_glu: bool = False,
 ) -> Phase:
     """Norms, residual (bias-dropout-)adds, the activation and RoPE of one block.
 
@@ -211,10 +216,10 @@ def block_elementwise(
     their masks (1 each); inside the TP region (1/t): GeLU reads and writes f (2e f), SwiGLU
     reads 2f and writes f (3e f), RoPE reads and writes q + kv (2e (q + kv)).
     Backward moves ``ELEMENTWISE_BACKWARD_RATIO`` times the forward bytes.
-    On the local stack: :func:`local_block_elementwise`.
+    On the local stack: :func:`local_block_elementwise` (``fused_glu``: its SwiGLU fused).
     """
     if speed.cal.local:
-        return local_block_elementwise(model, tokens, tp, sharded_boundary, speed)
+        return local_block_elementwise(model, tokens, tp, sharded_boundary, speed, fused_glu)
     e, h = speed.e, model.hidden_size
     r = tp if sharded_boundary else 1
     residual = 2 * 2 * e + 2 * 3 * e + (2 * MASK_BYTES if model.dropout > 0 else 0)
@@ -262,7 +267,12 @@ CE_BYTES = 4 + 4 + 8 + 8 + 4 + 8 + 8 + 4  # + 2e: .float(), max, sub_, exp_, sum
 
 
 def local_block_elementwise(
-    model: ModelSpec, tokens: float, tp: int, sharded_boundary: bool, speed: Speed
+    model: ModelSpec,
+    tokens: float,
+    tp: int,
+    sharded_boundary: bool,
+    speed: Speed,
+    fused_glu: bool = False,
 ) -> Phase:
     """The standalone elementwise kernels of one megatron-core local TransformerLayer.
 
@@ -275,13 +285,15 @@ def local_block_elementwise(
       bias-dropout-adds (``x + bias`` 2e h and ``residual + out`` 3e h per r tokens);
     - at ``memory_efficiency``: two torch norms (read + write h / r, fp32 statistics); the
       activation (GeLU 2e f / t; megatron's local GLU splits fc1, adds its zero offset 2e f,
-      runs SiLU 2e f and multiplies 3e f: 7e f / t); dropout > 0 (read + write + mask
+      runs SiLU 2e f and multiplies 3e f: 7e f / t; with ``fused_glu``, megatron-core's
+      fused SwiGLU, one kernel reading 2f and writing f: 3e f / t); dropout > 0 (read + write + mask
       2e + 1 per element); unfused RoPE (``t cos + rotate_half(t) sin``: 9e (q + kv) / t).
 
     Backward, at ``memory_efficiency``: norms 5e h / r each; bias gradients (a reduction
     reading the output gradient) e q_kv / t, e f1 / t and e h / r per row-linear bias; the
     residual stream's two gradient sums 3e h / r each; GeLU backward 3e f / t (GLU: products
-    6e f, SiLU 3e f, split 4e f); the QKV split backward (cat of dq, dk, dv) 2e q_kv / t;
+    6e f, SiLU 3e f, split 4e f: 13e f; fused: one kernel reading the output gradient f and
+    fc1's output 2f, writing 2f: 5e f); the QKV split backward (cat of dq, dk, dv) 2e q_kv / t;
     RoPE backward as its forward; dropout backward 2e + 1 per element. The fp32
     main-gradient accumulation of the weights is per parameter, :func:`main_grad_accumulation`.
     """
@@ -292,7 +304,9 @@ def local_block_elementwise(
     f1 = 2 * f if model.gated else f
     dropout = (2 * e + MASK_BYTES) if model.dropout > 0 else 0
     rope = 9 * e * (model.q_size + model.kv_size) if model.position_embedding == "rope" else 0
-    act_fwd, act_bwd = (7 * e * f, 13 * e * f) if model.gated else (2 * e * f, 3 * e * f)
+    act_fwd, act_bwd = (2 * e * f, 3 * e * f)
+    if model.gated:
+        act_fwd, act_bwd = (3 * e * f, 5 * e * f) if fused_glu else (7 * e * f, 13 * e * f)
     adds = 2 * ((2 * e if bias else 0) + 3 * e) * h / r
     adds += (2 * e * qkv + 2 * e * f1) / tp if bias else 0
     other_fwd = (2 * (2 * e * h + norm_stat_bytes(model)) + 2 * dropout * h) / r

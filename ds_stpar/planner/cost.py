@@ -231,12 +231,16 @@ class _Context:
         self.links: Placement = placement(layout, ev.cluster)
         self.speed = ev.speed
         #: the MLP runs as one fused ring pass (layers/ring_mlp.py)
-        self.fused_mlp = self.mode == "ring" and strategy.fused_ring_mlp
-        self.activations = (
-            mem.fused_ring_mlp_activations(ev.activations, model, self.e, ev.cal.local)
-            if self.fused_mlp
-            else ev.activations
-        )
+        self.fused_mlp = strategy.runs_fused_ring_mlp
+        #: the local stack's GLU is megatron-core's fused SwiGLU (integrations.megatron.fused_swiglu)
+        self.fused_glu = ev.cal.local and model.gated and not self.fused_mlp
+        self.activations = ev.activations
+        if self.fused_mlp:
+            self.activations = mem.fused_ring_mlp_activations(
+                ev.activations, model, self.e, ev.cal.local
+            )
+        elif self.fused_glu:
+            self.activations = mem.fused_glu_activations(ev.activations, model, self.e)
 
 
 def micro_batches(train: TrainSpec, strategy: Strategy) -> int:
@@ -286,7 +290,9 @@ def block_cost(ctx: _Context) -> BlockCost:
         head_seqs(ctx.strategy.micro_batch, ctx.model, ctx.t),
         ctx.speed,
     )
-    elementwise = block_elementwise(ctx.model, ctx.tokens, ctx.t, ctx.sharded, ctx.speed)
+    elementwise = block_elementwise(
+        ctx.model, ctx.tokens, ctx.t, ctx.sharded, ctx.speed, ctx.fused_glu
+    )
     work = linears.gemm + attention + elementwise
     recompute, recompute_comm = 0.0, 0.0
     if ctx.strategy.recompute == "full":

@@ -174,7 +174,8 @@ def layer_activations(
 
     ``local`` (megatron-core's local modules): the two torch norms also save their fp32
     statistics (:func:`norm_stat_bytes` each, residual), and the unfused GLU keeps fc1's output 2e f, the
-    SiLU output e f, the zero-offset sum e f and fc2's input e f: 5 e f instead of 3 e f.
+    SiLU output e f, the zero-offset sum e f and fc2's input e f: 5 e f instead of 3 e f
+    (:func:`fused_glu_activations` for the fused SwiGLU the GPU loop runs).
     With flash attention, a head dim d that is not a multiple of 8 is zero-padded to d'
     (by ``layers.megatron_modules.varlen_causal`` on packed rows, inside PyTorch's SDPA on full
     rows): the kernel saves the padded Q, K, V and its padded output, and the projection
@@ -222,6 +223,15 @@ def layer_activation_bytes(
         return tokens * acts.layer_input / r
     scores = 0.0 if recompute == "selective" else acts.scores / tp
     return tokens * (acts.residual / r + acts.parallel / tp + scores + acts.whole)
+
+
+def fused_glu_activations(acts: LayerActivations, model: ModelSpec, e: int) -> LayerActivations:
+    """The local stack's ``acts`` with megatron-core's fused SwiGLU (``bias_activation_fusion``,
+    :func:`~ds_stpar.integrations.megatron.fused_swiglu`): it saves fc1's output 2e f and fc2
+    its input e f, not the unfused GLU's SiLU output and zero-offset sum: 2e f less."""
+    if not model.gated:
+        return acts
+    return dataclasses.replace(acts, parallel=acts.parallel - 2 * e * model.ffn_hidden_size)
 
 
 def fused_ring_mlp_activations(
