@@ -548,6 +548,12 @@ class Strategy:
         with ``fused_ring_mlp`` on."""
         return self.layout.tp > 1 and self.layout.tp_mode == "ring" and self.fused_ring_mlp
 
+    def runs_fused_swiglu(self, model: ModelSpec) -> bool:
+        """Whether a GPU run of ``model`` under this strategy uses megatron-core's fused SwiGLU:
+        a gated MLP not run as the fused ring pass, which computes its own activation
+        (:func:`~ds_stpar.integrations.megatron.fused_swiglu`; the planner prices the same)."""
+        return model.gated and not self.runs_fused_ring_mlp
+
     def short(self) -> str:
         parts = [self.layout.short(), f"mb{self.micro_batch}", f"z{self.zero}"]
         if self.recompute != "none":

@@ -56,7 +56,7 @@ def fused_swiglu(model: ModelSpec, strategy: Strategy, cuda: bool) -> bool:
     keeps 5 e f / t (fc1's output, the SiLU output, the zero-offset sum, fc2's input) and
     moves 8 e f / t bytes where that moves 20 e f / t. On CPU the GLU stays unfused:
     inductor's first compile costs ~20 s per process, the CPU runs are tests of tiny models."""
-    return cuda and model.gated and not strategy.runs_fused_ring_mlp
+    return cuda and strategy.runs_fused_swiglu(model)
 
 
 def transformer_config(

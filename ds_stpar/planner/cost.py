@@ -233,7 +233,7 @@ class _Context:
         #: the MLP runs as one fused ring pass (layers/ring_mlp.py)
         self.fused_mlp = strategy.runs_fused_ring_mlp
         #: the local stack's GLU is megatron-core's fused SwiGLU (integrations.megatron.fused_swiglu)
-        self.fused_glu = ev.cal.local and model.gated and not self.fused_mlp
+        self.fused_glu = ev.cal.local and strategy.runs_fused_swiglu(model)
         self.activations = ev.activations
         if self.fused_mlp:
             self.activations = mem.fused_ring_mlp_activations(
