@@ -162,6 +162,8 @@ from ds_stpar.seqbucket.switch import SwitchPlanner, switch_buffer_bytes
 
 DEFAULT_MAX_BUCKETS = 4
 DEFAULT_MIN_EDGE = 256
+HALF_STEP_OCTAVES = 3
+"""Octaves below the context where :func:`candidate_edges` adds the half steps."""
 DEFAULT_MIN_GAIN = 0.01  # each bucket beyond the first must buy 1% of the step
 PACK_PIECES = 4096  # pieces per simulated step at most (a larger step packs a subset)
 PACK_DRAWN = 8192  # pieces drawn in all: as many simulated steps as make about this many
@@ -307,13 +309,24 @@ def pack_stats(
 
 
 def candidate_edges(seq_len: int, min_edge: int = DEFAULT_MIN_EDGE) -> tuple[int, ...]:
-    """Powers of two from ``min_edge`` up to (not including) ``seq_len``, then ``seq_len``."""
+    """Powers of two ``2^k`` from ``min_edge`` up to (not including) ``seq_len``, then
+    ``seq_len``; in the top :data:`HALF_STEP_OCTAVES` octaves below ``seq_len`` also the
+    steps half-way between them in ratio, ``3 x 2^(k-1)``.
+
+    The half steps matter where memory decides, near the context: at 32K on 80 GB cards a
+    row of 24K tokens may run without recompute where one of 32K may not, so an edge at 24K
+    lets the documents between 16K and 24K skip it (BENCHMARKS.md, eleventh session). Lower
+    down, rows fit either way and a finer edge only moves a little packing efficiency; each
+    candidate there would multiply the edge sets the search examines."""
     if min_edge < 1:
         raise ConfigError(f"the smallest bucket edge must be positive, got {min_edge}")
     edges = []
     edge = 1 << max(0, math.ceil(math.log2(min_edge)))
     while edge < seq_len:
         edges.append(edge)
+        half_step = edge * 3 // 2
+        if edge * 2**HALF_STEP_OCTAVES >= seq_len and min_edge <= half_step < seq_len:
+            edges.append(half_step)
         edge *= 2
     return (*edges, seq_len)
 
@@ -633,6 +646,10 @@ class BucketPlan:
 # --------------------------------------------------------------------------------------
 
 
+_MODEL_NUMBERS: dict[Strategy, int] = {}
+"""Model keys numbered in the order first seen (:attr:`_Option.model`)."""
+
+
 @dataclass(frozen=True)
 class _Option:
     """A strategy at an edge: forward + backward seconds per micro-batch without attention
@@ -661,6 +678,13 @@ class _Option:
         the search compares keys for every combination it examines."""
         return model_key(self.strategy)
 
+    @functools.cached_property
+    def model(self) -> int:
+        """A number naming :attr:`key`: equal keys, equal numbers. The search compares models
+        for each of the up to millions of combinations it examines, and comparing two
+        strategies field by field took a third of its time."""
+        return _MODEL_NUMBERS.setdefault(self.key, len(_MODEL_NUMBERS))
+
     def seconds(self, stats: PackStats) -> tuple[float, float, float]:
         """(forward + backward seconds, work in micro-batches per rank, attention ratio) of a
         bucket (:func:`work_micro_batches`, :func:`executed_ratio`)."""
@@ -681,19 +705,21 @@ def _active_bytes(breakdown: dict[str, float]) -> float:
     return sum(breakdown.values()) - _states_bytes(breakdown) - breakdown["optimizer_step"]
 
 
-def away_models(chosen: Sequence[_Option], home_key: Strategy) -> list[Strategy] | None:
+def away_models(chosen: Sequence[_Option], home: _Option) -> list[Strategy] | None:
     """The models of their own that buckets ``chosen`` (shortest first) switch to, each once;
     ``None`` when buckets sharing one are not adjacent (the runner would hold it across the
     buckets between, which the memory account does not count)."""
     keys: list[Strategy] = []
-    previous = None
+    numbers: list[int] = []
+    previous = home.model
     for option in chosen:
-        key = option.key
-        if key != home_key and key != previous:
-            if key in keys:
+        number = option.model
+        if number != home.model and number != previous:
+            if number in numbers:
                 return None
-            keys.append(key)
-        previous = key
+            numbers.append(number)
+            keys.append(option.key)
+        previous = number
     return keys
 
 
@@ -869,7 +895,7 @@ class _Planner:
         (its key equal to the home's) with the home's DP buffers, otherwise its own layout's."""
         if o is h:
             return h.active_gib
-        if o.key == h.key:
+        if o.model == h.model:
             return o.shared_active_gib
         return o.active_gib
 
@@ -879,12 +905,12 @@ class _Planner:
         states, carry = h.states_gib, GRAD_BYTES * h.params / GiB
         peaks, live = [], False  # live: a carry is held (a non-home model since the home's)
         for k, o in enumerate(chosen):
-            if o.key == h.key:  # on the home model: the carry goes into .grad first
+            if o.model == h.model:  # on the home model: the carry goes into .grad first
                 peaks.append(states + self.bucket_active_gib(h, o))
                 live = False
                 continue
-            first = k == 0 or chosen[k - 1].key != o.key  # adjacent buckets share a model
-            last = k == len(chosen) - 1 or chosen[k + 1].key != o.key
+            first = k == 0 or chosen[k - 1].model != o.model  # adjacent buckets share a model
+            last = k == len(chosen) - 1 or chosen[k + 1].model != o.model
             held = states + (carry if live else 0.0)
             weights, grads = self.e * o.params / GiB, GRAD_BYTES * o.params / GiB
             switch_in = self.switch_buffer_gib[self.e] if first else 0.0
@@ -906,7 +932,6 @@ class _Planner:
             self.considered += 1
             return (home_s, ()) if home_s < bound else None
         lists = [self.ranked(edge_set, k, away_options[hi]) for k, hi in enumerate(edge_set)]
-        home_key = h.key
         best = None
         start = (0,) * len(lists)
         heap = [(sum(lst[0][0] for lst in lists), start)]
@@ -924,7 +949,7 @@ class _Planner:
                     step = lists[k][nxt[k]][0] - lists[k][index[k]][0]
                     heapq.heappush(heap, (total + step, nxt))
             chosen = [lists[k][i][1] for k, i in enumerate(index)]
-            own = away_models(chosen, home_key)
+            own = away_models(chosen, h)
             if own is None:
                 continue
             if max(self.bucket_peaks_gib(h, chosen)) > self.capacity:
