@@ -57,7 +57,8 @@ class Calibration:
     Overlap: ``overlap_fraction`` is the share of a concurrent GEMM's time that hides NCCL
     communication (DP reduction behind backward, Megatron's async TP backward);
     ``ring_hop_overlap`` the share of a ring/Cannon neighbour hop hidden behind its step's
-    sub-GEMM.
+    sub-GEMM; ``ring_mlp_pass_s`` the least exposed time of one fused ring MLP pass (what
+    the pass loses to stream waits and partial-sum bookkeeping even where its hops hide).
 
     Software stack (``stack``, :data:`STACKS`): ``"fused"`` is the stack of the published
     Megatron-LM runs (fused bias-GeLU / bias-dropout-add / softmax kernels, gradient
@@ -113,6 +114,7 @@ class Calibration:
     host_collective_s: float = 0.0
     host_ring_hop_s: float = 0.0
     host_op_s: float = 0.0
+    ring_mlp_pass_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.stack not in STACKS:

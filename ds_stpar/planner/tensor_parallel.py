@@ -189,7 +189,8 @@ def fused_ring_mlp(
 
     recompute = speed.elementwise(speed.e * tokens * (fc1.n + fc2.k) / p)
     gemm = Phase(p * g_fwd, p * g_bwd + recompute)
-    return gemm, Phase(exposed(g_fwd), exposed(g_bwd)), hop
+    floor = speed.cal.ring_mlp_pass_s
+    return gemm, Phase(max(exposed(g_fwd), floor), max(exposed(g_bwd), floor)), hop
 
 
 def ring_block(
