@@ -14,6 +14,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ds_stpar.config import ModelSpec, Strategy, stage_layers
+from ds_stpar.layers import packed_rope
 from ds_stpar.layers.megatron_spec import get_gpt_block_stpar_spec
 from ds_stpar.parallel import LayoutGroups
 
@@ -122,7 +123,9 @@ def build_gpt(
     dtype: str = "bf16",
     seq_len: int = 0,
 ) -> GPTModel:
-    """This rank's pipeline stage of a GPT model with ds_stpar's layer spec."""
+    """This rank's pipeline stage of a GPT model with ds_stpar's layer spec (and RoPE over
+    packed rows without a host sync per layer, :mod:`~ds_stpar.layers.packed_rope`)."""
+    packed_rope.install()
     config = transformer_config(model, strategy, dtype)
     pp_rank, pp = groups.pp_index, groups.layout.pp
     gpt = GPTModel(

@@ -476,13 +476,17 @@ def _sequence_parallel_params(
 
 
 def packed_inputs(batch: PackedBatch, device: torch.device):
-    """``[1, T]`` ids, positions and labels and the ``thd`` PackedSeqParams of a micro-batch."""
+    """``[1, T]`` ids, positions and labels and the ``thd`` PackedSeqParams of a micro-batch
+    (its ``cu_seqlens`` marked with the tokens' segment offsets for RoPE,
+    :mod:`~ds_stpar.layers.packed_rope`)."""
     from megatron.core.packed_seq_params import PackedSeqParams
+
+    from ds_stpar.layers.packed_rope import mark_segments
 
     ids = batch.input_ids.to(device)
     positions = batch.position_ids.to(device)
     labels = batch.labels.to(device)
-    cu = batch.cu_seqlens.to(device=device, dtype=torch.int32)
+    cu = mark_segments(batch.cu_seqlens.to(device=device, dtype=torch.int32), batch.cu_seqlens)
     params = PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu,
