@@ -42,7 +42,9 @@ def segment_index(cu_seqlens: Tensor) -> Tensor:
 def mark_segments(cu_seqlens: Tensor, host_cu_seqlens: Tensor) -> Tensor:
     """Attach the segment index of ``host_cu_seqlens`` (on the host) to the device tensor
     ``cu_seqlens`` that the micro-batch's PackedSeqParams carries; returns ``cu_seqlens``."""
-    index = segment_index(host_cu_seqlens).to(cu_seqlens.device, non_blocking=True)
+    index = segment_index(host_cu_seqlens)
+    if cu_seqlens.is_cuda:
+        index = index.pin_memory().to(cu_seqlens.device, non_blocking=True)
     setattr(cu_seqlens, _SEGMENT_INDEX, index)
     return cu_seqlens
 

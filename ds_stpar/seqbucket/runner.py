@@ -475,6 +475,16 @@ def _sequence_parallel_params(
     return out
 
 
+def to_device(host: Tensor, device: torch.device) -> Tensor:
+    """``host`` on ``device``; to a GPU through pinned memory without waiting: a copy from
+    pageable memory makes the host wait for the GPU's queue to drain, four times per
+    micro-batch here (torch.cuda.set_sync_debug_mode, bench/results/2026-11-26-s11-2xH200/
+    call47)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def packed_inputs(batch: PackedBatch, device: torch.device):
     """``[1, T]`` ids, positions and labels and the ``thd`` PackedSeqParams of a micro-batch
     (its ``cu_seqlens`` marked with the tokens' segment offsets for RoPE,
@@ -483,10 +493,10 @@ def packed_inputs(batch: PackedBatch, device: torch.device):
 
     from ds_stpar.layers.packed_rope import mark_segments
 
-    ids = batch.input_ids.to(device)
-    positions = batch.position_ids.to(device)
-    labels = batch.labels.to(device)
-    cu = mark_segments(batch.cu_seqlens.to(device=device, dtype=torch.int32), batch.cu_seqlens)
+    ids, positions, labels = (
+        to_device(x, device) for x in (batch.input_ids, batch.position_ids, batch.labels)
+    )
+    cu = mark_segments(to_device(batch.cu_seqlens.to(torch.int32), device), batch.cu_seqlens)
     params = PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu,
