@@ -346,18 +346,19 @@ class GPUSpec:
 # Datasheet figures (planner.md "Hardware defaults"); NVLink 600/900 GB/s bidirectional
 # -> 300/450 per direction; nccl reaches ~75% of it as busbw (measured: 330 GB/s on H100).
 # Node network 8 x 200 / 400 Gb/s -> 25 / 50 GB/s per GPU, ~85% reachable.
-# Memory: what torch.cuda reports as total_memory where we measured it (H100 80GB HBM3:
-# 85,017,493,504 B = 79.18 GiB, metrics.jsonl's device_gib, BENCHMARKS.md tenth session; a
-# plan predicted at 79.5 GiB in all ran there at 72.7 allocated, 76.1 reserved), else the
-# datasheet's decimal GB.
+# Memory: what torch.cuda reports as total_memory where we measured it (metrics.jsonl's
+# device_gib): H100 80GB HBM3 85,017,493,504 B = 79.18 GiB (BENCHMARKS.md tenth session; a plan
+# predicted at 79.5 GiB in all ran there at 72.7 allocated, 76.1 reserved), H200
+# 150,109,880,320 B = 139.80 GiB (eleventh session, call 45); else the datasheet's decimal GB.
 H100_MEASURED_GIB = 79.1787109375
+H200_MEASURED_GIB = 139.80072021484375
 GPU_PRESETS: dict[str, GPUSpec] = {
     g.name: g
     for g in (
         GPUSpec("a100-40g", 312.0, 40 * 1e9 / GiB, 1555.0, 230.0, 21.0),
         GPUSpec("a100-80g", 312.0, 80 * 1e9 / GiB, 2039.0, 230.0, 21.0),
         GPUSpec("h100-80g", 989.0, H100_MEASURED_GIB, 3350.0, 330.0, 42.0),
-        GPUSpec("h200-141g", 989.0, 141 * 1e9 / GiB, 4800.0, 330.0, 42.0),
+        GPUSpec("h200-141g", 989.0, H200_MEASURED_GIB, 4800.0, 330.0, 42.0),
     )
 }
 
