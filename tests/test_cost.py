@@ -846,10 +846,8 @@ def test_fused_ring_mlp_pass_floor_reproduces_the_short_bucket_runs(monkeypatch)
     # more without recompute at micro-batch 1 (44.6 against 40.8) and 1.6 more with full
     # recompute at micro-batch 4 (50.2 against 48.6); without a floor the model says 0.51 for
     # both. The shipped floor per pass must give both within 0.4 us per token (1% of either
-    # step) and rank them as measured. That call ran before the fused SwiGLU: unfused here.
-    from ds_stpar.config import Strategy as StrategyClass
-
-    monkeypatch.setattr(StrategyClass, "runs_fused_swiglu", lambda self, model: False)
+    # step), fused the slower both times. That call ran before the fused SwiGLU: unfused here.
+    monkeypatch.setattr(Strategy, "runs_fused_swiglu", lambda self, model: False)
     model = ModelSpec.load(str(Path(__file__).parents[1] / "bench/models/llama-4b-untied.json"))
     cluster, train = ClusterSpec(H100, 2, 2), TrainSpec(16384, 16)
     cal = Calibration.load_default("h100-80g", stack=LOCAL)
