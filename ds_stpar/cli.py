@@ -192,7 +192,8 @@ def _add_data_args(parser: argparse.ArgumentParser, required: bool) -> None:
         type=int,
         default=DEFAULT_MIN_EDGE,
         help="smallest candidate bucket edge; candidates are the powers of two from it up to "
-        f"--seq-len (default {DEFAULT_MIN_EDGE})",
+        "--seq-len and, in the top three octaves, the steps half-way between them (24K at 32K) "
+        f"(default {DEFAULT_MIN_EDGE})",
     )
 
 
