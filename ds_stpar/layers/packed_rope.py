@@ -29,6 +29,7 @@ from megatron.core.models.common.embeddings import rope_utils
 from torch import Tensor
 
 _SEGMENT_INDEX = "_stpar_segment_index"
+_MEGATRON_APPLY = rope_utils.apply_rotary_pos_emb  # kept before install() replaces the name
 
 
 def segment_index(cu_seqlens: Tensor) -> Tensor:
@@ -67,9 +68,6 @@ def apply_rotary_pos_emb(t: Tensor, freqs: Tensor, config, cu_seqlens=None, **kw
         rotary_interleaved=config.rotary_interleaved,
         mscale=kwargs.get("mscale", 1.0),
     ).squeeze(1)
-
-
-_MEGATRON_APPLY = rope_utils.apply_rotary_pos_emb
 
 
 def install() -> None:
