@@ -529,6 +529,8 @@ def test_calibration_defaults_and_gemm_curve():
     assert big < cal.gemm_peak_fraction and skinny < big / 2
     with pytest.raises(ConfigError, match="gemm_peak_fraction"):
         cal.replace(gemm_peak_fraction=1.5)
+    with pytest.raises(ConfigError, match="ring_mlp_pass_s must be >= 0, got -0.001"):
+        cal.replace(ring_mlp_pass_s=-1e-3)
 
 
 def test_calibration_file_with_unknown_key(tmp_path):

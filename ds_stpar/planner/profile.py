@@ -119,7 +119,7 @@ class Calibration:
     def __post_init__(self) -> None:
         if self.stack not in STACKS:
             raise ConfigError(f"calibration stack must be one of {STACKS}, got {self.stack!r}")
-        for name in HOST_FIELDS:
+        for name in (*HOST_FIELDS, "ring_mlp_pass_s"):  # seconds
             if getattr(self, name) < 0:
                 raise ConfigError(f"calibration {name} must be >= 0, got {getattr(self, name)}")
         for name in (
