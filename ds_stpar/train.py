@@ -65,6 +65,7 @@ class RunOptions:
     stdlib_files: int = 300  # with --data stdlib: the first N files of the sorted list
     log_interval: int = 1
     profile_step: int = 0  # 0: no profile; else torch.profiler over that step, rank 0's table
+    trace_step: int = 0  # 0: no trace; else that step's GPU timeline, every rank's
 
 
 def add_train_args(parser: argparse.ArgumentParser) -> None:
@@ -104,6 +105,14 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="profile this step with torch.profiler; rank 0 writes <out>/profile-step-N.txt "
         "(ops by device time and by host time)",
+    )
+    parser.add_argument(
+        "--trace-step",
+        type=int,
+        default=0,
+        help="record this step's GPU timeline (kernels, copies and the CUDA calls that launched "
+        "them; no operator recording, so the host keeps nearly its own speed); every rank "
+        "writes <out>/trace-step-N-rank-R.json.gz for bench/timeline.py",
     )
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
 
@@ -155,11 +164,17 @@ def check_inputs(opts: RunOptions, world: int) -> Checked:
     engine_config(ds_config, cfg)  # refuses ZeRO 3
     if opts.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {opts.steps}")
-    if not 0 <= opts.profile_step <= opts.steps:
+    for flag, value in (("--profile-step", opts.profile_step), ("--trace-step", opts.trace_step)):
+        if not 0 <= value <= opts.steps:
+            raise ConfigError(
+                f"{flag} must be a step of this run (1-{opts.steps}) or 0, got {value}"
+            )
+    if opts.profile_step and opts.profile_step == opts.trace_step:
         raise ConfigError(
-            f"--profile-step must be a step of this run (1-{opts.steps}) or 0, got "
-            f"{opts.profile_step}"
+            f"--profile-step and --trace-step are both {opts.trace_step}: one profiler per step"
         )
+    if opts.trace_step and not torch.cuda.is_available():
+        raise ConfigError("--trace-step records a GPU timeline: it needs CUDA")
     model = cfg.model
     if model.position_embedding == "learned" and cfg.train.seq_len > model.max_position_embeddings:
         raise ConfigError(
@@ -467,7 +482,7 @@ def run(opts: RunOptions) -> list[dict]:
             plan = next(plans)
             flops = step_flops(model, plan)
             lr = float(engine.get_lr()[0])  # what this step's update uses (module docstring)
-            with _step_profiler(opts, step + 1, rank):
+            with _step_profiler(opts, step + 1, rank), _step_tracer(opts, step + 1, rank):
                 stats = runner.step(plan)
             step += 1
             row = metrics_row(step, stats, flops, world, cfg.gpu, lr)
@@ -510,6 +525,21 @@ def _step_profiler(opts: RunOptions, step: int, rank: int):
             + events.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70),
         ]
         _write_atomic(Path(opts.out) / f"profile-step-{step}.txt", "\n\n".join(tables))
+
+
+@contextlib.contextmanager
+def _step_tracer(opts: RunOptions, step: int, rank: int):
+    """The GPU timeline of step ``opts.trace_step`` (1-based) on every rank: CUDA activity
+    only (kernels, copies, the runtime and driver calls that launched them), which costs the
+    host a few microseconds per launch where operator recording costs it about as much as the
+    operators themselves, so host-bound stretches show as they are (bench/timeline.py)."""
+    if step != opts.trace_step:
+        yield
+        return
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        yield
+    Path(opts.out).mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(Path(opts.out) / f"trace-step-{step}-rank-{rank}.json.gz"))
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "pretrain.py") -> int:

@@ -145,6 +145,12 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["--config", tiny, "--load", str(tmp_path)], "no checkpoint here"),
         (["--config", tiny, "--steps", "0"], "--steps must be >= 1"),
         (["--config", tiny, "--steps", "2", "--profile-step", "3"], "--profile-step must be"),
+        (["--config", tiny, "--steps", "2", "--trace-step", "-1"], "--trace-step must be"),
+        (
+            ["--config", tiny, "--steps", "2", "--trace-step", "2", "--profile-step", "2"],
+            "one profiler per step",
+        ),
+        (["--config", tiny, "--steps", "2", "--trace-step", "2"], "it needs CUDA"),
         (["--config", tiny, "--save", str(empty)], "exists and is not a directory"),
         (["--config", tiny, "--data", str(empty)], "empty file, no documents"),
         (["--config", tiny, "--data", str(no_text)], "no text column 'text'"),

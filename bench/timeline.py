@@ -1,0 +1,192 @@
+"""Where a GPU's compute stream idles in a traced step, and why.
+
+    python3 bench/timeline.py RUN/trace-step-3-rank-0.json.gz [more traces...]
+
+The traces come from ``launch/pretrain.py --trace-step N``: the step's kernels, copies and the
+CUDA calls that launched them, recorded without operator recording, so the host runs at
+nearly its own speed. For each trace this prints one row:
+
+- ``span``: first to last GPU activity on any stream;
+- ``busy``: the compute stream's kernels and copies (the stream with the most non-NCCL time);
+- its idle time, split three ways, gap by gap: a gap between work ``a`` and the next work ``b``
+  on the compute stream is *host-late* for as long as ``b``'s launch call had not been made
+  after ``a`` ended (the GPU waited for the host), *comm-wait* for the rest of it while an NCCL
+  kernel ran on another stream (the GPU waited for a transfer it depends on), and *other*
+  otherwise (launch latency, event waits on other work);
+- ``nccl``: NCCL kernel time on the other streams, and ``hidden``: the part of it that ran
+  while the compute stream was busy;
+- kernels on the compute stream and their mean length (many short kernels make the host
+  the limit).
+
+The most host-late kernels by name follow each row: the work the GPU waited for the host to
+launch. BENCHMARKS.md, twelfth session.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+
+
+@dataclass(frozen=True)
+class Work:
+    """One kernel, copy or memset on a stream (microseconds) and the launch call behind it."""
+
+    name: str
+    stream: int
+    start: float
+    end: float
+    launched: float | None  # the launch call's start; None when the trace has no such call
+
+    @property
+    def nccl(self) -> bool:
+        return self.name.startswith("nccl")
+
+
+def load_work(path: str) -> list[Work]:
+    """Every device activity of a chrome trace (``torch.profiler`` / kineto), with the start
+    of the host call that launched it (matched by CUPTI correlation id)."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as handle:
+        events = json.load(handle)["traceEvents"]
+    launches = {}
+    for ev in events:
+        if ev.get("cat") in LAUNCH_CATEGORIES and "correlation" in ev.get("args", {}):
+            launches[ev["args"]["correlation"]] = float(ev["ts"])
+    out = []
+    for ev in events:
+        if ev.get("cat") not in DEVICE_CATEGORIES or ev.get("ph") != "X":
+            continue
+        args = ev.get("args", {})
+        start = float(ev["ts"])
+        out.append(
+            Work(
+                ev["name"],
+                int(args.get("stream", ev.get("tid", 0))),
+                start,
+                start + float(ev.get("dur", 0.0)),
+                launches.get(args.get("correlation")),
+            )
+        )
+    if not out:
+        raise SystemExit(f"{path}: no GPU activity (was it traced on a GPU?)")
+    return sorted(out, key=lambda w: w.start)
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by ``intervals`` (overlaps counted once)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def overlap_length(start: float, end: float, intervals: list[tuple[float, float]]) -> float:
+    """Length of [start, end) covered by the union of sorted, merged ``intervals``."""
+    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in intervals if a < end and b > start)
+
+
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of ``intervals`` as sorted disjoint intervals."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """A trace's compute-stream accounting, microseconds (module docstring)."""
+
+    span: float
+    busy: float
+    host_late: float
+    comm_wait: float
+    other: float
+    nccl: float
+    nccl_hidden: float
+    kernels: int
+    late_by_name: dict[str, float]
+
+    @property
+    def idle(self) -> float:
+        return self.host_late + self.comm_wait + self.other
+
+
+def breakdown(work: list[Work]) -> Breakdown:
+    """Split the compute stream's idle time gap by gap (module docstring)."""
+    by_stream: dict[int, list[Work]] = defaultdict(list)
+    for w in work:
+        by_stream[w.stream].append(w)
+    compute = max(by_stream, key=lambda s: sum(w.end - w.start for w in by_stream[s] if not w.nccl))
+    mine = by_stream[compute]
+    nccl = merged([(w.start, w.end) for w in work if w.nccl and w.stream != compute])
+    busy_intervals = merged([(w.start, w.end) for w in mine])
+    host_late = comm_wait = other = 0.0
+    late_by_name: dict[str, float] = defaultdict(float)
+    reach = mine[0].end
+    for nxt in mine[1:]:
+        if nxt.start > reach:
+            gap_end = nxt.start
+            launched = reach if nxt.launched is None else nxt.launched
+            late_until = min(gap_end, max(reach, launched))
+            late = late_until - reach
+            waited = overlap_length(late_until, gap_end, nccl)
+            host_late += late
+            comm_wait += waited
+            other += gap_end - late_until - waited
+            if late > 0:
+                late_by_name[nxt.name] += late
+        reach = max(reach, nxt.end)
+    span = max(w.end for w in work) - min(w.start for w in work)
+    hidden = sum(overlap_length(a, b, busy_intervals) for a, b in nccl)
+    return Breakdown(
+        span=span,
+        busy=union_length([(w.start, w.end) for w in mine]),
+        host_late=host_late,
+        comm_wait=comm_wait,
+        other=other,
+        nccl=union_length(nccl),
+        nccl_hidden=hidden,
+        kernels=len(mine),
+        late_by_name=dict(late_by_name),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("traces", nargs="+", help="trace-step-N-rank-R.json(.gz) files")
+    parser.add_argument("--top", type=int, default=5, help="host-late kernels listed per trace")
+    args = parser.parse_args()
+    ms = 1e-3
+    header = (
+        f"{'trace':40s} {'span':>8s} {'busy':>8s} {'host-late':>9s} {'comm-wait':>9s} "
+        f"{'other':>8s} {'nccl':>8s} {'hidden':>8s} {'kernels':>8s} {'mean us':>8s}"
+    )
+    print("milliseconds unless named")
+    print(header)
+    for path in args.traces:
+        b = breakdown(load_work(path))
+        name = path.rsplit("/", 2)[-2] + "/" + path.rsplit("/", 1)[-1] if "/" in path else path
+        print(
+            f"{name[-40:]:40s} {b.span * ms:8.1f} {b.busy * ms:8.1f} {b.host_late * ms:9.1f} "
+            f"{b.comm_wait * ms:9.1f} {b.other * ms:8.1f} {b.nccl * ms:8.1f} "
+            f"{b.nccl_hidden * ms:8.1f} {b.kernels:8d} {b.busy / b.kernels:8.1f}"
+        )
+        for kernel, late in sorted(b.late_by_name.items(), key=lambda kv: -kv[1])[: args.top]:
+            print(f"    host-late {late * ms:7.1f} ms before {kernel[:90]}")
+
+
+if __name__ == "__main__":
+    main()
