@@ -87,3 +87,36 @@ def test_varlen_kernel_equals_documents_attended_alone(heads, groups, dim):
     _reference(*leaves, bounds).backward(grad.reshape(t, -1).double())
     for got, want in zip((q.grad, k.grad, v.grad), leaves):
         assert _rel(got, want.grad) < TOL
+
+
+def test_fused_rope_kernel_equals_the_exact_rotation_and_its_gradient():
+    """The compiled CUDA rotation (packed_rope's fused kernel) on a strided query view as
+    megatron-core's QKV split leaves it: every output element within one bf16 ulp (2^-8
+    relative) of the float64 rotation (it rounds once from fp32), plus 2^-21 of the two
+    products' magnitudes (fp32's own roundings, which matter only where they cancel); its
+    input gradient, the inverse rotation of the output gradient, within the same bound."""
+    from ds_stpar.layers import packed_rope
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tokens, heads, dim = 4096, 12, 128
+    mixed = torch.randn(tokens, heads + 8, dim, device="cuda", generator=gen).bfloat16()
+    t = mixed[:, :heads].detach().requires_grad_(True)  # non-contiguous, like the split
+    angle = torch.rand(tokens, 1, dim, device="cuda", generator=gen) * 100
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    out = packed_rope._FUSED_ROTATE(t, cos, sin)
+    grad = torch.randn(out.shape, device="cuda", generator=gen).bfloat16()
+    out.backward(grad)
+
+    def within_bound(got, first, second):
+        want = first + second
+        bound = want.abs() * 2**-8 + (first.abs() + second.abs()) * 2**-21
+        return bool(((got.double() - want).abs() <= bound).all())
+
+    half = dim // 2
+    c64, s64 = cos.double(), sin.double()
+    x = t.detach().double()
+    assert within_bound(out, x * c64, torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s64)
+    # d/dx of x cos + R x sin is cos g + R^T (sin g), R^T = -R
+    g = grad.double()
+    g_sin = g * s64
+    assert within_bound(t.grad, g * c64, torch.cat((g_sin[..., half:], -g_sin[..., :half]), -1))

@@ -1,10 +1,19 @@
-"""RoPE over packed ``thd`` rows (ds_stpar.layers.packed_rope) against megatron-core's own.
+"""RoPE over packed ``thd`` rows (ds_stpar.layers.packed_rope) against megatron-core's own
+and against the exact rotation.
 
-The reference is megatron-core 0.16's ``apply_rotary_pos_emb`` on the same rows (its
-per-segment ``thd`` path, which reads the segment lengths back to the host). Both apply the
-same ``_apply_rotary_pos_emb_bshd`` arithmetic to the same frequencies, so the results must
-be bitwise equal, in fp32 and bf16; run on one gloo rank because megatron-core's ``thd`` path
-asks the context-parallel group for its size.
+The references:
+- megatron-core 0.16's ``apply_rotary_pos_emb`` on the same rows (its per-segment ``thd``
+  path, which reads the segment lengths back to the host). In fp32 both compute
+  ``t cos + rotate_half(t) sin`` with the same operations in the same order, so they must be
+  bitwise equal; with ``DS_STPAR_FUSED_ROPE=0`` ours runs megatron-core's own bf16
+  arithmetic, bitwise equal too.
+- the rotation in float64. In bf16 ours computes in fp32 and rounds once, so every element
+  is within one bf16 unit in the last place (2^-8 relative) plus 2^-21 of the two products'
+  magnitudes (fp32's own roundings, which matter only where the products cancel), and its
+  largest and total errors are below megatron-core's, which rounds after each of its four
+  operations.
+Run on one gloo rank because megatron-core's ``thd`` path asks the context-parallel group
+for its size. The CUDA kernel (``torch.compile``) is checked in tests/test_attention_gpu.py.
 """
 
 from __future__ import annotations
@@ -16,33 +25,79 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from ds_stpar.layers import packed_rope
 from tests.distributed import run_workers
 
+# segments of unequal lengths, one of a single token, one filling most of the row
+CU = torch.tensor([0, 5, 6, 40, 41, 97, 100], dtype=torch.int32)
+
+
+def exact_rotation(t: torch.Tensor, freqs: torch.Tensor, cu: torch.Tensor, mscale: float):
+    """The rotation in float64, token by token (position = offset in its segment), and the
+    sum of its two products' magnitudes."""
+    out = torch.empty(t.shape, dtype=torch.float64)
+    size = torch.empty(t.shape, dtype=torch.float64)
+    x = t.double()
+    half = x.shape[-1] // 2
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        for i in range(a, b):
+            angle = freqs[i - a, 0, 0].double()
+            rotated = torch.cat((-x[i, :, half:], x[i, :, :half]), dim=-1)
+            first, second = x[i] * torch.cos(angle) * mscale, rotated * torch.sin(angle) * mscale
+            out[i], size[i] = first + second, first.abs() + second.abs()
+    return out, size
+
 
 def _check_against_megatron(rank: int, world_size: int) -> None:
     group = torch.distributed.new_group([0])
     config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4)
-    # segments of unequal lengths, one of a single token, one filling most of the row
-    cu = torch.tensor([0, 5, 6, 40, 41, 97, 100], dtype=torch.int32)
+    longest = int((CU[1:] - CU[:-1]).max())
     # any angles serve: both paths must pick the same ones for each token
-    longest = int((cu[1:] - cu[:-1]).max())
     freqs = torch.randn(longest, 1, 1, 16, generator=torch.Generator().manual_seed(3))
-    for dtype in (torch.float32, torch.bfloat16):
-        t = torch.randn(int(cu[-1]), 4, 16, generator=torch.Generator().manual_seed(7)).to(dtype)
-        expected = rope_utils.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu, cp_group=group)
-        marked = packed_rope.mark_segments(cu.clone(), cu)
-        got = packed_rope.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=marked, cp_group=group)
-        assert torch.equal(got, expected), (dtype, (got - expected).abs().max())
+    for dtype, mscale in ((torch.float32, 1.0), (torch.float32, 0.5), (torch.bfloat16, 1.0)):
+        t = torch.randn(int(CU[-1]), 4, 16, generator=torch.Generator().manual_seed(7)).to(dtype)
+        extra = {"cp_group": group, "mscale": mscale}
+        expected = rope_utils.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=CU, **extra)
+        marked = packed_rope.mark_segments(CU.clone(), CU)
+        got = packed_rope.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=marked, **extra)
+        if dtype == torch.float32:
+            assert torch.equal(got, expected), (mscale, (got - expected).abs().max())
+        else:
+            exact, size = exact_rotation(t, freqs, CU, mscale)
+            ours, theirs = (got.double() - exact).abs(), (expected.double() - exact).abs()
+            # one bf16 rounding, plus fp32's own (2^-21 of the products, where they cancel)
+            assert bool((ours <= exact.abs() * 2**-8 + size * 2**-21).all())
+            assert ours.max() <= theirs.max() and ours.sum() < theirs.sum()
+        # the second call (the key, another layer) reuses the micro-batch's angles
+        cos, _ = packed_rope.angles(marked, None, freqs, mscale)
+        assert cos is getattr(marked, packed_rope._ANGLES)[2]
         # unmarked rows and plain (sbhd) calls go to megatron-core's function unchanged
-        plain = packed_rope.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu, cp_group=group)
+        plain = packed_rope.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=CU, **extra)
         assert torch.equal(plain, expected)
         sbhd = t[:8].unsqueeze(1)
         assert torch.equal(
-            packed_rope.apply_rotary_pos_emb(sbhd, freqs[:8], config, cp_group=group),
-            rope_utils.apply_rotary_pos_emb(sbhd, freqs[:8], config, cp_group=group),
+            packed_rope.apply_rotary_pos_emb(sbhd, freqs[:8], config, **extra),
+            rope_utils.apply_rotary_pos_emb(sbhd, freqs[:8], config, **extra),
         )
+
+
+def _check_unfused_switch(rank: int, world_size: int) -> None:
+    import os
+
+    group = torch.distributed.new_group([0])
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4)
+    freqs = torch.randn(56, 1, 1, 16, generator=torch.Generator().manual_seed(3))
+    t = torch.randn(100, 4, 16, generator=torch.Generator().manual_seed(7)).bfloat16()
+    expected = rope_utils.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=CU, cp_group=group)
+    os.environ["DS_STPAR_FUSED_ROPE"] = "0"
+    marked = packed_rope.mark_segments(CU.clone(), CU)
+    got = packed_rope.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=marked, cp_group=group)
+    assert torch.equal(got, expected)
 
 
 def test_packed_rope_equals_megatron_thd_rope():
     run_workers(_check_against_megatron, 1)
+
+
+def test_unfused_rope_is_megatron_arithmetic_bitwise():
+    run_workers(_check_unfused_switch, 1)
 
 
 def test_segment_index_restarts_at_every_boundary():
