@@ -264,6 +264,7 @@ def embedding(model: ModelSpec, tokens: float, speed: Speed, tp: int = 1) -> Pha
 NORM_BACKWARD_PASSES = 5  # dX: read dY, X, write dX; dgamma/dbeta: read dY, X again
 MAIN_GRAD_BYTES = 10  # main_grad.add_(grad): read bf16 grad 2 + fp32 main grad 4, write 4
 CE_BYTES = 4 + 4 + 8 + 8 + 4 + 8 + 8 + 4  # + 2e: .float(), max, sub_, exp_, sum, div_, mul_, cast
+ROPE_ANGLE_BYTES = 2 * 2 * 4  # fp32 cos and sin, read by the query's and the key's kernel
 
 
 def local_block_elementwise(
@@ -287,7 +288,10 @@ def local_block_elementwise(
       activation (GeLU 2e f / t; megatron's local GLU splits fc1, adds its zero offset 2e f,
       runs SiLU 2e f and multiplies 3e f: 7e f / t; with ``fused_glu``, megatron-core's
       fused SwiGLU, one kernel reading 2f and writing f: 3e f / t); dropout > 0 (read + write + mask
-      2e + 1 per element); unfused RoPE (``t cos + rotate_half(t) sin``: 9e (q + kv) / t).
+      2e + 1 per element); RoPE as the training loop runs it on packed rows
+      (:mod:`ds_stpar.layers.packed_rope`: one fused kernel each for the query and the key,
+      reading and writing them, 2e (q + kv) / t, and reading the fp32 cos and sin of the
+      token's angles twice, 16 d per token, d the head dim).
 
     Backward, at ``memory_efficiency``: norms 5e h / r each; bias gradients (a reduction
     reading the output gradient) e q_kv / t, e f1 / t and e h / r per row-linear bias; the
@@ -303,7 +307,10 @@ def local_block_elementwise(
     bias = model.add_bias_linear
     f1 = 2 * f if model.gated else f
     dropout = (2 * e + MASK_BYTES) if model.dropout > 0 else 0
-    rope = 9 * e * (model.q_size + model.kv_size) if model.position_embedding == "rope" else 0
+    rope = 0.0
+    if model.position_embedding == "rope":
+        # the angles are whole on every rank: times t, as the sum is divided by t below
+        rope = 2 * e * (model.q_size + model.kv_size) + ROPE_ANGLE_BYTES * model.kv_channels * tp
     act_fwd, act_bwd = (2 * e * f, 3 * e * f)
     if model.gated:
         act_fwd, act_bwd = (3 * e * f, 5 * e * f) if fused_glu else (7 * e * f, 13 * e * f)
