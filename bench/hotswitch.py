@@ -160,6 +160,7 @@ def summarize(rows: list[dict], timed: list[dict] | None = None) -> dict:
         "peak_gib": max((r.get("peak_gib") or 0.0) for r in rows),
         "peak_gib_ranks": rows[-1].get("peak_gib_ranks"),  # peaks since the start, per rank
         "peak_reserved_gib": max((r.get("peak_reserved_gib") or 0.0) for r in rows),
+        "alloc_retries": max((r.get("alloc_retries") or 0) for r in rows),
         "device_gib": rows[-1].get("device_gib"),
         "loss_first": rows[0]["loss"],
         "loss_last": rows[-1]["loss"],

@@ -284,29 +284,37 @@ def metrics_row(step: int, stats, flops: float, world: int, gpu: str, lr: float)
     cuda = torch.cuda.is_available()
     row["mfu"] = row["tflops"] / peak if cuda and peak else None
     row["lr"] = lr
-    allocated, reserved = _memory_peaks_of_ranks() if cuda else (None, None)
+    allocated, reserved, retries = _memory_peaks_of_ranks() if cuda else (None, None, None)
     row["peak_gib"] = max(allocated) if allocated else None
     row["peak_gib_ranks"] = allocated
     row["peak_reserved_gib"] = max(reserved) if reserved else None
+    row["alloc_retries"] = int(max(retries)) if retries else None
     row["device_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else None
     return row
 
 
-def _memory_peaks_of_ranks() -> tuple[list[float], list[float]]:
-    """Every rank's peaks of allocated and of reserved GPU memory in GiB, by global rank
-    (collective): pipeline stages, and layouts that place a parameter on some ranks only,
-    differ, and the plan must fit on the fullest GPU; reserved less allocated is what the
-    caching allocator holds beyond the tensors (the planner's allocator headroom)."""
+def _memory_peaks_of_ranks() -> tuple[list[float], list[float], list[float]]:
+    """Every rank's peaks of allocated and of reserved GPU memory in GiB, and its caching
+    allocator's retries so far, by global rank (collective): pipeline stages, and layouts
+    that place a parameter on some ranks only, differ, and the plan must fit on the fullest
+    GPU; reserved less allocated is what the caching allocator holds beyond the tensors (the
+    planner's allocator headroom); a retry is an allocation that found no free block, so the
+    allocator released its cache (a device-wide synchronisation) and asked again."""
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
     peak = torch.tensor(
-        [float(torch.cuda.max_memory_allocated()), float(torch.cuda.max_memory_reserved())],
+        [
+            float(torch.cuda.max_memory_allocated()),
+            float(torch.cuda.max_memory_reserved()),
+            float(retries),
+        ],
         device="cuda",
     )
     peaks = [peak]
     if torch.distributed.is_initialized():
         peaks = [torch.empty_like(peak) for _ in range(torch.distributed.get_world_size())]
         torch.distributed.all_gather(peaks, peak)
-    allocated, reserved = torch.stack(peaks).T.tolist()  # one read back to the host
-    return [b / 2**30 for b in allocated], [b / 2**30 for b in reserved]
+    allocated, reserved, retried = torch.stack(peaks).T.tolist()  # one read back to the host
+    return [b / 2**30 for b in allocated], [b / 2**30 for b in reserved], retried
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -59,6 +59,7 @@ def test_pretrain_through_the_deepspeed_launcher(tmp_path):
         assert row["step_s"] > 0 and row["switch_s"] >= 0 and row["mfu"] is None  # CPU
         assert row["peak_gib"] is None and row["peak_gib_ranks"] is None  # no CUDA allocator
         assert row["peak_reserved_gib"] is None and row["device_gib"] is None
+        assert row["alloc_retries"] is None
         assert set(row["bucket_s"]) <= {"128", "256"} and "256" in row["bucket_s"]
         assert row["layouts"][-1] == "dp1-tp2-pp1"
     assert any(row["switches"] for row in rows), "the short bucket ran in a switched layout"
