@@ -171,16 +171,16 @@ def main() -> None:
     args = parser.parse_args()
     ms = 1e-3
     header = (
-        f"{'trace':40s} {'span':>8s} {'busy':>8s} {'host-late':>9s} {'comm-wait':>9s} "
+        f"{'trace':56s} {'span':>8s} {'busy':>8s} {'host-late':>9s} {'comm-wait':>9s} "
         f"{'other':>8s} {'nccl':>8s} {'hidden':>8s} {'kernels':>8s} {'mean us':>8s}"
     )
     print("milliseconds unless named")
     print(header)
     for path in args.traces:
         b = breakdown(load_work(path))
-        name = path.rsplit("/", 2)[-2] + "/" + path.rsplit("/", 1)[-1] if "/" in path else path
+        name = "/".join(path.split("/")[-2:])  # the run folder and the file
         print(
-            f"{name[-40:]:40s} {b.span * ms:8.1f} {b.busy * ms:8.1f} {b.host_late * ms:9.1f} "
+            f"{name[-56:]:56s} {b.span * ms:8.1f} {b.busy * ms:8.1f} {b.host_late * ms:9.1f} "
             f"{b.comm_wait * ms:9.1f} {b.other * ms:8.1f} {b.nccl * ms:8.1f} "
             f"{b.nccl_hidden * ms:8.1f} {b.kernels:8d} {b.busy / b.kernels:8.1f}"
         )
