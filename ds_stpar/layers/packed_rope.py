@@ -20,7 +20,7 @@ place of the name megatron-core's attention module calls (idempotent).
 The rotation itself, ``t cos + rotate_half(t) sin`` (:func:`rotate`), is one fused kernel
 each way on CUDA (``torch.compile``, as megatron-core fuses its SwiGLU): megatron-core's eager
 version runs six kernels per call (two products, a negation, two concatenations and a sum)
-over strided views, 0.36 ms for a 16K-token query of llama-4b at TP2, 7% of a
+over strided views, 0.35 ms for a 16K-token query of llama-4b at TP2, 7% of a
 no-recompute step (bench/results/2026-11-26-s12-2xH200/call50). It computes in fp32 and
 rounds once to ``t``'s dtype, where the eager bf16 version rounds after every operation: in
 fp32 the two agree bitwise, in bf16 the fused one is the closer to the exact rotation
