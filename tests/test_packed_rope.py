@@ -112,3 +112,20 @@ def test_install_routes_megatron_attention_through_it():
     packed_rope.install()  # idempotent
     assert attention.apply_rotary_pos_emb is packed_rope.apply_rotary_pos_emb
     assert packed_rope._MEGATRON_APPLY is rope_utils.apply_rotary_pos_emb
+
+
+def test_angles_follow_the_frequencies_and_mscale_of_each_call():
+    """The per-micro-batch angle cache serves only the same ``freqs`` and ``mscale``: another
+    table (a model with another RoPE base) or scale recomputes them (reference: the fp32
+    rotation with angles computed here, bitwise, as both run the same operations)."""
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4)
+    gen = torch.Generator().manual_seed(5)
+    t = torch.randn(int(CU[-1]), 4, 16, generator=gen)
+    marked = packed_rope.mark_segments(CU.clone(), CU)
+    index = packed_rope.segment_index(CU)
+    first, second = (torch.randn(56, 1, 1, 16, generator=gen) for _ in range(2))
+    for freqs, mscale in [(first, 1.0), (first, 1.0), (second, 1.0), (second, 0.25)]:
+        got = packed_rope.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=marked, mscale=mscale)
+        angle = freqs[index].squeeze(1)
+        want = packed_rope.rotate(t, torch.cos(angle) * mscale, torch.sin(angle) * mscale)
+        assert torch.equal(got, want)
