@@ -18,8 +18,11 @@ nearly its own speed. For each trace this prints one row:
 - kernels on the compute stream and their mean length (many short kernels make the host
   the limit).
 
-The most host-late kernels by name follow each row: the work the GPU waited for the host to
-launch. BENCHMARKS.md, twelfth session.
+Under each row: the busy time by kind (:func:`kind_of`: matrix products, attention,
+communication, copies, other elementwise kernels), the longest-running kernels that are
+neither matrix products nor attention (where the rest of the step goes: megatron-core's eager
+RoPE showed up there), and the most host-late kernels (the work the GPU waited for the host
+to launch). BENCHMARKS.md, twelfth session.
 """
 
 from __future__ import annotations
@@ -32,6 +35,38 @@ from dataclasses import dataclass
 
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+
+
+KINDS = ("matrix", "attention", "nccl", "copy", "elementwise")
+
+
+def kind_of(name: str) -> str:
+    """A kernel's kind by its name: flash attention kernels (``flash``), NCCL's, copies and
+    memsets (``Memcpy``/``Memset``, ``copy_kernel``, ``CatArray``), the matrix products
+    (cuBLAS's ``nvjet``/``gemm``/CUTLASS kernels), and the rest elementwise (norms,
+    activations, additions, reductions)."""
+    lowered = name.lower()
+    if "flash" in lowered:
+        return "attention"
+    if name.startswith("nccl"):
+        return "nccl"
+    if name.startswith(("Memcpy", "Memset")) or "copy_kernel" in name or "CatArray" in name:
+        return "copy"
+    if name.startswith("nvjet") or "gemm" in lowered or "cutlass" in lowered:
+        return "matrix"
+    return "elementwise"
+
+
+NAME_NOISE = ("void ", "at::native::", "(anonymous namespace)::", "c10::", "std::")
+
+
+def short_name(name: str, width: int = 100) -> str:
+    """A kernel's name without the namespaces that every ATen kernel repeats, cut at
+    ``width`` (what tells the kernels apart, e.g. ``direct_copy_kernel`` or ``neg_kernel``
+    inside ``elementwise_kernel<...>``, then fits a line)."""
+    for noise in NAME_NOISE:
+        name = name.replace(noise, "")
+    return name[:width]
 
 
 @dataclass(frozen=True)
@@ -118,6 +153,8 @@ class Breakdown:
     nccl_hidden: float
     kernels: int
     late_by_name: dict[str, float]
+    busy_by_kind: dict[str, float]
+    busy_by_name: dict[str, float]  # kernels of kinds other than matrix and attention
 
     @property
     def idle(self) -> float:
@@ -149,6 +186,13 @@ def breakdown(work: list[Work]) -> Breakdown:
             if late > 0:
                 late_by_name[nxt.name] += late
         reach = max(reach, nxt.end)
+    busy_by_kind = dict.fromkeys(KINDS, 0.0)
+    busy_by_name: dict[str, float] = defaultdict(float)
+    for w in mine:
+        kind = kind_of(w.name)
+        busy_by_kind[kind] += w.end - w.start
+        if kind not in ("matrix", "attention"):
+            busy_by_name[w.name] += w.end - w.start
     span = max(w.end for w in work) - min(w.start for w in work)
     hidden = sum(overlap_length(a, b, busy_intervals) for a, b in nccl)
     return Breakdown(
@@ -161,13 +205,17 @@ def breakdown(work: list[Work]) -> Breakdown:
         nccl_hidden=hidden,
         kernels=len(mine),
         late_by_name=dict(late_by_name),
+        busy_by_kind=busy_by_kind,
+        busy_by_name=dict(busy_by_name),
     )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("traces", nargs="+", help="trace-step-N-rank-R.json(.gz) files")
-    parser.add_argument("--top", type=int, default=5, help="host-late kernels listed per trace")
+    parser.add_argument(
+        "--top", type=int, default=5, help="kernels listed per trace, of each list (default 5)"
+    )
     args = parser.parse_args()
     ms = 1e-3
     header = (
@@ -184,8 +232,12 @@ def main() -> None:
             f"{b.comm_wait * ms:9.1f} {b.other * ms:8.1f} {b.nccl * ms:8.1f} "
             f"{b.nccl_hidden * ms:8.1f} {b.kernels:8d} {b.busy / b.kernels:8.1f}"
         )
+        kinds = ", ".join(f"{kind} {b.busy_by_kind[kind] * ms:.1f}" for kind in KINDS)
+        print(f"    busy by kind: {kinds}")
+        for kernel, busy in sorted(b.busy_by_name.items(), key=lambda kv: -kv[1])[: args.top]:
+            print(f"    busy      {busy * ms:7.1f} ms in {short_name(kernel)}")
         for kernel, late in sorted(b.late_by_name.items(), key=lambda kv: -kv[1])[: args.top]:
-            print(f"    host-late {late * ms:7.1f} ms before {kernel[:90]}")
+            print(f"    host-late {late * ms:7.1f} ms before {short_name(kernel)}")
 
 
 if __name__ == "__main__":

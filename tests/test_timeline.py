@@ -44,3 +44,25 @@ def test_idle_gaps_split_into_host_late_comm_wait_and_other(tmp_path):
     assert (b.host_late, b.comm_wait, b.other, b.idle) == (5, 6, 9, 20)
     assert (b.nccl, b.nccl_hidden) == (11, 5)  # 25-30 under mul
     assert b.late_by_name == {"mul": 5}
+    assert b.busy_by_kind == {"matrix": 10, "attention": 0, "nccl": 0, "copy": 0, "elementwise": 20}
+    assert b.busy_by_name == {"mul": 10, "add": 10}
+
+
+def test_kernel_kinds_by_name():
+    names = {
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "matrix",
+        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, cutlass::": "attention",
+        "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)": "nccl",
+        "Memcpy HtoD (Pinned -> Device)": "copy",
+        "void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>": "copy",
+        "void at::native::elementwise_kernel<128, 4, direct_copy_kernel_cuda": "copy",
+        "triton_poi_fused__to_copy_add_cat_mul_neg_slice_0": "elementwise",
+        "void at::native::vectorized_layer_norm_kernel<c10::BFloat16>": "elementwise",
+    }
+    assert {name: timeline.kind_of(name) for name in names} == names
+
+
+def test_short_names_drop_the_repeated_namespaces():
+    name = "void at::native::(anonymous namespace)::CatArrayBatchedCopy<c10::BFloat16, 4>"
+    assert timeline.short_name(name) == "CatArrayBatchedCopy<BFloat16, 4>"
+    assert timeline.short_name("x" * 150) == "x" * 100
