@@ -28,7 +28,9 @@ to launch). BENCHMARKS.md, twelfth session.
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
+import itertools
 import json
 from collections import defaultdict
 from dataclasses import dataclass
@@ -114,30 +116,37 @@ def load_work(path: str) -> list[Work]:
     return sorted(out, key=lambda w: w.start)
 
 
-def union_length(intervals: list[tuple[float, float]]) -> float:
-    """Total length covered by ``intervals`` (overlaps counted once)."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
+class Coverage:
+    """The union of intervals, for the length it covers inside any window in O(log n) (a
+    step holds tens of thousands of kernels and gaps: scanning every interval per gap took
+    half a minute per trace)."""
 
+    def __init__(self, intervals: list[tuple[float, float]]) -> None:
+        spans: list[tuple[float, float]] = []
+        for start, end in sorted(intervals):
+            if spans and start <= spans[-1][1]:
+                spans[-1] = (spans[-1][0], max(spans[-1][1], end))
+            else:
+                spans.append((start, end))
+        self.spans = spans
+        self.starts = [a for a, _ in spans]
+        self.before = list(itertools.accumulate((b - a for a, b in spans), initial=0.0))
 
-def overlap_length(start: float, end: float, intervals: list[tuple[float, float]]) -> float:
-    """Length of [start, end) covered by the union of sorted, merged ``intervals``."""
-    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in intervals if a < end and b > start)
+    @property
+    def total(self) -> float:
+        return self.before[-1]
 
+    def upto(self, x: float) -> float:
+        """Length covered before ``x``."""
+        i = bisect.bisect_right(self.starts, x)
+        if not i:
+            return 0.0
+        a, b = self.spans[i - 1]
+        return self.before[i - 1] + min(x, b) - a
 
-def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The union of ``intervals`` as sorted disjoint intervals."""
-    out: list[tuple[float, float]] = []
-    for start, end in sorted(intervals):
-        if out and start <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], end))
-        else:
-            out.append((start, end))
-    return out
+    def within(self, start: float, end: float) -> float:
+        """Length covered inside ``[start, end)``."""
+        return self.upto(end) - self.upto(start) if end > start else 0.0
 
 
 @dataclass(frozen=True)
@@ -168,8 +177,8 @@ def breakdown(work: list[Work]) -> Breakdown:
         by_stream[w.stream].append(w)
     compute = max(by_stream, key=lambda s: sum(w.end - w.start for w in by_stream[s] if not w.nccl))
     mine = by_stream[compute]
-    nccl = merged([(w.start, w.end) for w in work if w.nccl and w.stream != compute])
-    busy_intervals = merged([(w.start, w.end) for w in mine])
+    nccl = Coverage([(w.start, w.end) for w in work if w.nccl and w.stream != compute])
+    busy = Coverage([(w.start, w.end) for w in mine])
     host_late = comm_wait = other = 0.0
     late_by_name: dict[str, float] = defaultdict(float)
     reach = mine[0].end
@@ -179,7 +188,7 @@ def breakdown(work: list[Work]) -> Breakdown:
             launched = reach if nxt.launched is None else nxt.launched
             late_until = min(gap_end, max(reach, launched))
             late = late_until - reach
-            waited = overlap_length(late_until, gap_end, nccl)
+            waited = nccl.within(late_until, gap_end)
             host_late += late
             comm_wait += waited
             other += gap_end - late_until - waited
@@ -194,14 +203,14 @@ def breakdown(work: list[Work]) -> Breakdown:
         if kind not in ("matrix", "attention"):
             busy_by_name[w.name] += w.end - w.start
     span = max(w.end for w in work) - min(w.start for w in work)
-    hidden = sum(overlap_length(a, b, busy_intervals) for a, b in nccl)
+    hidden = sum(busy.within(a, b) for a, b in nccl.spans)
     return Breakdown(
         span=span,
-        busy=union_length([(w.start, w.end) for w in mine]),
+        busy=busy.total,
         host_late=host_late,
         comm_wait=comm_wait,
         other=other,
-        nccl=union_length(nccl),
+        nccl=nccl.total,
         nccl_hidden=hidden,
         kernels=len(mine),
         late_by_name=dict(late_by_name),
