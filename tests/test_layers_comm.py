@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from ds_stpar.layers.cannon import _plan, cannon_column_linear, cannon_row_linear
 from ds_stpar.layers.comm import (
+    InFlightLimit,
     exchange,
     ring_all_gather,
     ring_pass,
@@ -187,3 +188,40 @@ def _comm_worker(rank: int, world_size: int) -> None:
 @pytest.mark.dist
 def test_comm_patterns_p9_p3_p1_and_cannon_3x3() -> None:
     run_workers(_comm_worker, 9)
+
+
+class _Event:
+    """Stands in for a torch.cuda.Event (none on CPU): notes when the host waited on it."""
+
+    def __init__(self, index: int, waited: list[int]):
+        self.index, self.waited = index, waited
+
+    def synchronize(self) -> None:
+        self.waited.append(self.index)
+
+
+def test_in_flight_limit_waits_for_the_oldest_batches_beyond_the_bound() -> None:
+    waited: list[int] = []
+    limit = InFlightLimit(3)
+    for index in range(3):
+        limit.add(_Event(index, waited))
+    assert waited == []  # three batches queued ahead: no wait yet
+    for index in range(3, 6):
+        limit.add(_Event(index, waited))
+    assert waited == [0, 1, 2]  # each new batch past the third waits for the oldest, in order
+    unbounded: list[int] = []
+    free = InFlightLimit(0)
+    for index in range(100):
+        free.add(_Event(index, unbounded))
+    assert unbounded == []
+
+
+def test_in_flight_bound_from_the_environment_is_checked(monkeypatch) -> None:
+    from ds_stpar.errors import ConfigError
+    from ds_stpar.layers import comm
+
+    monkeypatch.setenv("DS_STPAR_P2P_IN_FLIGHT", "12")
+    assert comm._max_in_flight() == 12
+    monkeypatch.setenv("DS_STPAR_P2P_IN_FLIGHT", "-1")
+    with pytest.raises(ConfigError, match="whole number"):
+        comm._max_in_flight()

@@ -9,8 +9,13 @@ world (or strided across it) works. The process group is always an argument.
 On CUDA the batch is issued on a side stream that first waits for the compute stream (so a
 buffer is only sent once it is written); ``wait`` makes the compute stream wait for the
 transfer, and every buffer is ``record_stream``-ed on the side stream so the caching allocator
-does not recycle it early. The host never blocks on the GPU: the sub-GEMM of step t is queued
-while the transfer for step t+1 is in flight. On CPU the same code runs minus the streams
+does not recycle it early. The host does not wait for the transfer it issues: the sub-GEMM of
+step t is queued while the transfer for step t+1 is in flight. It does wait once it is more
+than :data:`MAX_IN_FLIGHT` batches ahead of the GPU (:class:`InFlightLimit`, as FSDP's
+``limit_all_gathers``): a buffer freed on the host while a side-stream transfer that used it
+is still queued cannot be reused, so a host running a whole step ahead made the caching
+allocator grow to the device's capacity and then free and re-allocate with a device-wide sync
+(BENCHMARKS.md, thirteenth session). On CPU the same code runs minus the streams
 (gloo progresses the transfer on its own threads). Splitting a step into finer pieces, or a
 copy-engine transport, can later replace the body of :func:`start_p2p` / :func:`ring_pass`
 without changing any caller.
@@ -39,6 +44,8 @@ short-circuits a one-rank group; "forward: ..., backward: ..."):
 from __future__ import annotations
 
 import math
+import os
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -52,6 +59,44 @@ Group = dist.ProcessGroup
 Region = tuple[slice, ...]
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _max_in_flight() -> int:
+    value = os.environ.get("DS_STPAR_P2P_IN_FLIGHT", "8")
+    if not value.isdigit():
+        raise ConfigError(f"DS_STPAR_P2P_IN_FLIGHT must be a whole number >= 0, got {value!r}")
+    return int(value)
+
+
+MAX_IN_FLIGHT = _max_in_flight()
+"""How many P2P batches the host may issue ahead of the GPU per device; 0: no bound.
+
+Eight batches are two transformer layers of a P = 2 ring (four linears, one hop each): tens of
+milliseconds of queued GPU work at 8K-32K tokens, where the host issues a layer in a few.
+``DS_STPAR_P2P_IN_FLIGHT`` in the environment sets it."""
+
+
+class InFlightLimit:
+    """Keeps the host at most ``limit`` batches ahead: ``add`` takes an event recorded on the
+    compute stream where a batch was issued and, once more than ``limit`` are held, waits on the
+    host until the GPU has reached the oldest ones.
+
+    ``limit <= 0`` never waits. Any object with ``synchronize()`` serves as an event.
+    """
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._events: deque = deque()
+
+    def add(self, event) -> None:
+        if self.limit <= 0:
+            return
+        self._events.append(event)
+        while len(self._events) > self.limit:
+            self._events.popleft().synchronize()
+
+
+_LIMITS: dict[torch.device, InFlightLimit] = {}
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -115,6 +160,9 @@ def start_p2p(sends: Sequence[Message], recvs: Sequence[Message], group: Group) 
         works = dist.batch_isend_irecv(ops)
     for op in ops:
         op.tensor.record_stream(stream)
+    if MAX_IN_FLIGHT > 0:
+        limit = _LIMITS.setdefault(device, InFlightLimit(MAX_IN_FLIGHT))
+        limit.add(torch.cuda.current_stream(device).record_event())
     return PendingP2P(works, received, stream)
 
 
