@@ -12,10 +12,11 @@ transfer, and every buffer is ``record_stream``-ed on the side stream so the cac
 does not recycle it early. The host does not wait for the transfer it issues: the sub-GEMM of
 step t is queued while the transfer for step t+1 is in flight. It does wait once it is more
 than :data:`MAX_IN_FLIGHT` batches ahead of the GPU (:class:`InFlightLimit`, as FSDP's
-``limit_all_gathers``): a buffer freed on the host while a side-stream transfer that used it
-is still queued cannot be reused, so a host running a whole step ahead made the caching
-allocator grow to the device's capacity and then free and re-allocate with a device-wide sync
-(BENCHMARKS.md, thirteenth session). On CPU the same code runs minus the streams
+``limit_all_gathers``). Unbounded, the host ran a micro-batch ahead and the caching allocator's
+reserve grew with the lead (a block whose last use is still queued on another stream is not
+reused) to the card's capacity, where it frees its cache and retries, a device-wide sync each:
+7% of a 32K step on H200, 16-20% on H100 (BENCHMARKS.md, thirteenth session). On CPU the same
+code runs minus the streams
 (gloo progresses the transfer on its own threads). Splitting a step into finer pieces, or a
 copy-engine transport, can later replace the body of :func:`start_p2p` / :func:`ring_pass`
 without changing any caller.
