@@ -8,15 +8,16 @@ kernels one could call for ``cu_seqlens``-masked causal attention:
 - ``flash-repeat``: ``torch.nn.attention.varlen.varlen_attn`` with K and V repeated to the
   query heads (what ``SDPACoreAttention`` does where the function has no ``enable_gqa``);
 - ``flash-gqa``: ``aten._flash_attention_forward`` / ``_backward`` given K and V with their
-  own (fewer) heads: the flash kernel broadcasts the groups itself;
-- ``cudnn``: ``aten._cudnn_attention_forward`` / ``_backward`` with the same ``cu_seqlens``
-  (K and V repeated).
+  own (fewer) heads: the flash kernel broadcasts the groups itself.
+
+(cuDNN's ``_cudnn_attention_forward`` with the same ``cu_seqlens`` was tried at f3cdc3c and
+gave wrong outputs on torch 2.11: BENCHMARKS.md, thirteenth session, call 60.)
 
 Rows: the corpus (``--data`` with ``--tokenizer``, as ``launch/pretrain.py`` reads it) packed
 best-fit-decreasing into the buckets of ``--edges`` (``seqbucket.packing.pack_buckets``), the
-rows of bucket ``--bucket`` (default the last); ``--rows`` of them, seeded. Per backend: forward, and forward
-plus backward, CUDA-event timed over ``--iters`` after ``--warmup``, as microseconds per token
-(the rows' tokens). The output of every backend is checked against ``flash-repeat`` (bf16: the
+rows of bucket ``--bucket`` (default the last); ``--rows`` of them, seeded. Per backend:
+forward, and forward plus backward, CUDA-event timed over ``--iters`` after ``--warmup``, as
+microseconds per token (the rows' tokens). The output of every backend is checked against ``flash-repeat`` (bf16: the
 largest difference is printed, a few bf16 ulps of |out| <= 1 is agreement), and the gradients
 likewise. A backend whose ops this PyTorch lacks, or that fails, prints its error and is
 skipped. Shapes per GPU: ``--heads`` query heads, ``--groups`` KV heads, ``--head-dim``
@@ -108,54 +109,9 @@ def flash_gqa(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest: int) -> Tens
     return _FlashGQA.apply(q, k, v, cu, longest)
 
 
-class _Cudnn(torch.autograd.Function):
-    """cuDNN's fused attention over the same segments."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu, longest):
-        scale = q.shape[-1] ** -0.5
-        result = torch.ops.aten._cudnn_attention_forward(
-            q, k, v, None, cu, cu, longest, longest, True, 0.0, True, False, scale=scale
-        )
-        out, lse, seed, offset = result[0], result[1], result[6], result[7]
-        ctx.save_for_backward(q, k, v, out, lse, cu, seed, offset)
-        ctx.longest, ctx.scale = longest, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, out, lse, cu, seed, offset = ctx.saved_tensors
-        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
-            grad.contiguous(),
-            q,
-            k,
-            v,
-            out,
-            lse,
-            seed,
-            offset,
-            None,
-            cu,
-            cu,
-            ctx.longest,
-            ctx.longest,
-            0.0,
-            True,
-            scale=ctx.scale,
-        )
-        return dq, dk, dv, None, None
-
-
-def cudnn(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest: int) -> Tensor:
-    repeats = q.shape[1] // k.shape[1]
-    k, v = (x.repeat_interleave(repeats, dim=1) for x in (k, v))
-    return _Cudnn.apply(q, k, v, cu, longest)
-
-
 BACKENDS: dict[str, Callable] = {
     "flash-repeat": flash_repeat,
     "flash-gqa": flash_gqa,
-    "cudnn": cudnn,
 }
 
 
