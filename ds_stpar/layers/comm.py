@@ -15,9 +15,9 @@ than :data:`MAX_IN_FLIGHT` batches ahead of the GPU (:class:`InFlightLimit`, as 
 ``limit_all_gathers``). Unbounded, the host ran a micro-batch ahead and the caching allocator's
 reserve grew with the lead (a block whose last use is still queued on another stream is not
 reused) to the card's capacity, where it frees its cache and retries, a device-wide sync each:
-7% of a 32K step on H200, 16-20% on H100 (BENCHMARKS.md, thirteenth session). On CPU the same
-code runs minus the streams
-(gloo progresses the transfer on its own threads). Splitting a step into finer pieces, or a
+7% of a 32K step on H200; on H100, whose capacity the reserve met sooner, the same layout had
+run 16-20% slow (BENCHMARKS.md, twelfth and thirteenth sessions). On CPU the same code runs
+minus the streams (gloo progresses the transfer on its own threads). Splitting a step into finer pieces, or a
 copy-engine transport, can later replace the body of :func:`start_p2p` / :func:`ring_pass`
 without changing any caller.
 
@@ -49,6 +49,7 @@ import os
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -77,19 +78,25 @@ milliseconds of queued GPU work at 8K-32K tokens, where the host issues a layer 
 ``DS_STPAR_P2P_IN_FLIGHT`` in the environment sets it."""
 
 
+class Waitable(Protocol):
+    """What :class:`InFlightLimit` holds: a ``torch.cuda.Event`` on GPU."""
+
+    def synchronize(self) -> None: ...
+
+
 class InFlightLimit:
     """Keeps the host at most ``limit`` batches ahead: ``add`` takes an event recorded on the
     compute stream where a batch was issued and, once more than ``limit`` are held, waits on the
     host until the GPU has reached the oldest ones.
 
-    ``limit <= 0`` never waits. Any object with ``synchronize()`` serves as an event.
+    ``limit <= 0`` never waits.
     """
 
     def __init__(self, limit: int):
         self.limit = limit
-        self._events: deque = deque()
+        self._events: deque[Waitable] = deque()
 
-    def add(self, event) -> None:
+    def add(self, event: Waitable) -> None:
         if self.limit <= 0:
             return
         self._events.append(event)
