@@ -30,9 +30,11 @@ warms up the allocator and NCCL), and the speedups over ``static``, predicted an
 predicted time by the tokens the timed steps really put in it (:func:`steps_run_prediction`):
 a few steps of context-long rows hold more or fewer long rows than the expected step the
 planner predicts, and this column separates that sampling from the cost model's error (its
-error in brackets after the expected step's). Plan with the ``--stack`` the runs use: the default,
-``megatron-core-local``, is what ``launch/pretrain.py`` builds (the fifth session planned with
-``--stack fused`` by mistake, which hid that DP2 with ZeRO-2 fits where it said it did not).
+error in brackets after the expected step's). A second table (:func:`bucket_table`) gives
+each bucket's microseconds per real token, predicted and measured. Plan with the ``--stack``
+the runs use: the default, ``megatron-core-local``, is what ``launch/pretrain.py`` builds (the
+fifth session planned with ``--stack fused`` by mistake, which hid that DP2 with ZeRO-2 fits
+where it said it did not).
 ``--gpu`` names the planner's GPU preset (default: from the device name). Set
 NCCL_P2P_DISABLE=1 for the slow-link variant and tell the planner the link with
 ``--plan-args "--nvlink-gbs G"`` (bench/layers.py's slow-link run measures G).
@@ -157,6 +159,11 @@ def summarize(rows: list[dict], timed: list[dict] | None = None) -> dict:
             edge: sum(r.get("bucket_tokens", {}).get(edge, 0) for r in timed) / len(timed)
             for edge in sorted(edges, key=int)
         },
+        # mean forward + backward seconds per bucket edge per timed step
+        "bucket_s": {
+            edge: sum(r.get("bucket_s", {}).get(edge, 0.0) for r in timed) / len(timed)
+            for edge in sorted(edges, key=int)
+        },
         "peak_gib": max((r.get("peak_gib") or 0.0) for r in rows),
         "peak_gib_ranks": rows[-1].get("peak_gib_ranks"),  # peaks since the start, per rank
         "peak_reserved_gib": max((r.get("peak_reserved_gib") or 0.0) for r in rows),
@@ -227,6 +234,33 @@ def table(label: str, gpu: str, reports: dict, measured: dict) -> str:
     return f"planner preset {gpu}\n" + "\n".join(lines)
 
 
+def bucket_table(reports: dict, measured: dict) -> str:
+    """Per plan and bucket: microseconds per real token, predicted (the bucket's time over
+    its tokens per step) and measured (its seconds over its tokens, timed steps), so that a
+    step's error can be traced to the bucket that makes it."""
+    lines = [
+        "| plan | bucket | strategy | tokens/step pred | meas | us/token pred | meas | err |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, rep in reports.items():
+        m = measured.get(name) or {}
+        for bucket in rep["buckets"]:
+            edge = str(bucket["edge"])
+            tokens = m.get("bucket_tokens", {}).get(edge, 0.0)
+            seconds = m.get("bucket_s", {}).get(edge, 0.0)
+            per_step = bucket.get("tokens_per_step")
+            pred = bucket["time_s"] / per_step * 1e6 if per_step and "time_s" in bucket else None
+            meas = seconds / tokens * 1e6 if tokens else None
+            lines.append(
+                f"| {name} | <={edge} | {bucket['short']} "
+                f"| {f'{per_step:,.0f}' if per_step else 'n/a'} "
+                f"| {f'{tokens:,.0f}' if tokens else 'n/a'} "
+                f"| {f'{pred:.2f}' if pred else 'n/a'} | {f'{meas:.2f}' if meas else 'n/a'} "
+                f"| {f'{pred / meas - 1:+.1%}' if pred and meas else 'n/a'} |"
+            )
+    return "\n".join(lines)
+
+
 def merge(folders: list[str], label: str) -> None:
     """Print one table for the plans of several runs of this script over other data orders
     (``--seed``), pooling the timed steps that every plan of a run completed (a run cut short
@@ -256,6 +290,7 @@ def merge(folders: list[str], label: str) -> None:
         measured[name] = summarize(everything[name], rows)
         print(f"{name}: {len(rows)} timed steps from {len(folders)} runs", flush=True)
     print(table(label, first["gpu"], reports, measured))
+    print(bucket_table(reports, measured))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -341,6 +376,7 @@ def main(argv: list[str] | None = None) -> None:
             measured[name] = result
             print(f"{name}: measured {result}", flush=True)
     print(table(args.label, gpu, reports, measured))
+    print(bucket_table(reports, measured))
     with open(os.path.join(args.out, "summary.json"), "w") as handle:
         json.dump({"args": vars(args), "gpu": gpu, "plans": reports, "measured": measured}, handle)
 
