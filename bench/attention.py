@@ -5,8 +5,8 @@ Half of a 32K step of the untied llama-4b on 2 x H200 is attention (BENCHMARKS.m
 thirteenth session, call 58). This times, on the rows the training loop would run, the
 kernels one could call for ``cu_seqlens``-masked causal attention:
 
-- ``flash-repeat``: ``torch.nn.attention.varlen.varlen_attn`` with K and V repeated to the
-  query heads (what ``SDPACoreAttention`` does where the function has no ``enable_gqa``);
+- ``loop``: what the training loop calls (``megatron_modules.varlen_causal``): on torch 2.11,
+  whose ``varlen_attn`` has no ``enable_gqa``, K and V repeated to the query heads;
 - ``flash-gqa``: ``aten._flash_attention_forward`` / ``_backward`` given K and V with their
   own (fewer) heads: the flash kernel broadcasts the groups itself.
 
@@ -17,7 +17,7 @@ Rows: the corpus (``--data`` with ``--tokenizer``, as ``launch/pretrain.py`` rea
 best-fit-decreasing into the buckets of ``--edges`` (``seqbucket.packing.pack_buckets``), the
 rows of bucket ``--bucket`` (default the last); ``--rows`` of them, seeded. Per backend:
 forward, and forward plus backward, CUDA-event timed over ``--iters`` after ``--warmup``, as
-microseconds per token (the rows' tokens). The output of every backend is checked against ``flash-repeat`` (bf16: the
+microseconds per token (the rows' tokens). The output of every backend is checked against ``loop`` (bf16: the
 largest difference is printed, a few bf16 ulps of |out| <= 1 is agreement), and the gradients
 likewise. A backend whose ops this PyTorch lacks, or that fails, prints its error and is
 skipped. Shapes per GPU: ``--heads`` query heads, ``--groups`` KV heads, ``--head-dim``
@@ -58,15 +58,21 @@ def packed_rows(data: str, tokenizer: str, edges: list[int], bucket: int) -> lis
     return [[p.length for p in row.pieces] for row in rows]
 
 
-def flash_repeat(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest: int) -> Tensor:
-    from torch.nn.attention.varlen import varlen_attn
+def loop_path(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest: int) -> Tensor:
+    """The training loop's own call, ``megatron_modules.varlen_causal``, on [t, heads, d]."""
+    from megatron.core.packed_seq_params import PackedSeqParams
 
-    repeats = q.shape[1] // k.shape[1]
-    k, v = (x.repeat_interleave(repeats, dim=1) for x in (k, v))
-    try:
-        return varlen_attn(q, k, v, cu, cu, longest, longest, window_size=(-1, 0))
-    except TypeError:  # an older signature: is_causal instead of window_size
-        return varlen_attn(q, k, v, cu, cu, longest, longest, is_causal=True)
+    from ds_stpar.layers.megatron_modules import varlen_causal
+
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+    )
+    views = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, heads, t, d]
+    return varlen_causal(*views, params, None)[0].transpose(0, 1)
 
 
 class _FlashGQA(torch.autograd.Function):
@@ -110,7 +116,7 @@ def flash_gqa(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest: int) -> Tens
 
 
 BACKENDS: dict[str, Callable] = {
-    "flash-repeat": flash_repeat,
+    "loop": loop_path,
     "flash-gqa": flash_gqa,
 }
 
@@ -185,9 +191,11 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    edges = [int(e) for e in args.edges.split(",")]
+    if not -len(edges) <= args.bucket < len(edges):
+        parser.error(f"--bucket {args.bucket}: --edges has {len(edges)} buckets")
     if not torch.cuda.is_available():
         raise SystemExit("bench/attention.py times CUDA kernels: no CUDA device here")
-    edges = [int(e) for e in args.edges.split(",")]
     rows = packed_rows(args.data, args.tokenizer, edges, args.bucket)
     chosen = random.Random(args.seed).sample(rows, min(args.rows, len(rows)))
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
@@ -198,9 +206,9 @@ def main() -> None:
     per_row = [time_row(row, args, gen) for row in chosen]
     tokens = sum(sum(row) for row in chosen)
     print()
-    print("| backend | fwd us/token | fwd+bwd us/token | fwd+bwd vs flash-repeat | max abs diff |")
+    print("| backend | fwd us/token | fwd+bwd us/token | fwd+bwd vs loop | max abs diff |")
     print("|---|---:|---:|---:|---:|")
-    base = sum(r["flash-repeat"][1] for r in per_row if len(r["flash-repeat"]) == 3)
+    base = sum(r["loop"][1] for r in per_row if len(r["loop"]) == 3)
     for name in BACKENDS:
         errors = [r[name][0] for r in per_row if len(r[name]) == 1]
         if errors:

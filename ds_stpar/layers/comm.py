@@ -17,9 +17,9 @@ reserve grew with the lead (a block whose last use is still queued on another st
 reused) to the card's capacity, where it frees its cache and retries, a device-wide sync each:
 7% of a 32K step on H200; on H100, whose capacity the reserve met sooner, the same layout had
 run 16-20% slow (BENCHMARKS.md, twelfth and thirteenth sessions). On CPU the same code runs
-minus the streams (gloo progresses the transfer on its own threads). Splitting a step into finer pieces, or a
-copy-engine transport, can later replace the body of :func:`start_p2p` / :func:`ring_pass`
-without changing any caller.
+minus the streams (gloo progresses the transfer on its own threads). Splitting a step into
+finer pieces, or a copy-engine transport, can later replace the body of :func:`start_p2p` /
+:func:`ring_pass` without changing any caller.
 
 Schedules (no autograd, used by the layer algorithms in ``ring.py``):
 
@@ -169,8 +169,9 @@ def start_p2p(sends: Sequence[Message], recvs: Sequence[Message], group: Group) 
     for op in ops:
         op.tensor.record_stream(stream)
     if MAX_IN_FLIGHT > 0:
-        limit = _LIMITS.setdefault(device, InFlightLimit(MAX_IN_FLIGHT))
-        limit.add(torch.cuda.current_stream(device).record_event())
+        if device not in _LIMITS:
+            _LIMITS[device] = InFlightLimit(MAX_IN_FLIGHT)
+        _LIMITS[device].add(torch.cuda.current_stream(device).record_event())
     return PendingP2P(works, received, stream)
 
 
