@@ -461,6 +461,42 @@ def affine_timing(
     return Timing(p1 + w * (p2 - p1), u1 + r * (u2 - u1))
 
 
+def bucket_timing(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    train: TrainSpec,
+    stats: PackStats,
+    strategy: Strategy,
+    calibration: Calibration | None = None,
+) -> Timing:
+    """:class:`Timing` of ``strategy`` running the rows of one bucket (``stats``: rows of
+    ``stats.hi`` tokens) as the loop runs them: estimates at the rows rounded up to a multiple
+    of ``world x MAX_MICRO_BATCH`` and at twice that, :func:`affine_timing` at the work of
+    :func:`work_micro_batches` with the DP reduction at :func:`bucket_micro_batches`, flash
+    attention at the rows' :func:`executed_ratio`. The static plan's time (and a check of any
+    other static layout against a run)."""
+    unit = cluster.num_gpus * MAX_MICRO_BATCH
+    rows = math.ceil(stats.rows / unit) * unit
+    ratio = executed_ratio(stats)
+    first, second = (
+        packed_estimate(
+            model,
+            cluster,
+            dataclasses.replace(train, seq_len=stats.hi, global_batch=n),
+            strategy,
+            ratio,
+            calibration,
+        )
+        for n in (rows, 2 * rows)
+    )
+    return affine_timing(
+        first,
+        second,
+        work_micro_batches(stats, strategy),
+        bucket_micro_batches(stats.rows, strategy),
+    )
+
+
 # --------------------------------------------------------------------------------------
 # Switch costs
 # --------------------------------------------------------------------------------------
@@ -1043,9 +1079,7 @@ class _Planner:
         for est in found.top:
             s = est.strategy
             m = bucket_micro_batches(stats.rows, s)
-            first = self.evaluator(seq_len, rows, ratio).estimate(s)
-            second = self.evaluator(seq_len, 2 * rows, ratio).estimate(s)
-            timing = affine_timing(first, second, work_micro_batches(stats, s), m)
+            timing = bucket_timing(model, cluster, self.train, stats, s, self.cal)
             if not runnable(s):
                 if self.unrunnable is None or timing.step_s < self.unrunnable[1]:
                     self.unrunnable = (s, timing.step_s)
