@@ -983,6 +983,115 @@ def test_full_recompute_memory_of_the_loops_static_layouts(run, plan):
         assert -0.05 <= allocated / 2**30 / peak - 1 <= 0.08, (rank, allocated / 2**30, peak)
 
 
+RESULTS_ROOT = LOOP_RUNS.parent
+
+# Runs of launch/pretrain.py (expandable segments, at most 8 P2P batches in flight) whose
+# allocator stayed below the card: run directory (config.json + metrics.jsonl), model file.
+RESERVE_RUNS = [
+    ("2026-11-27-s14-2xH100/call63/static64k/ring-mb2/run", "bench/models/llama-3b.json"),
+    ("2026-11-27-s14-2xH100/call63/static64k/dp2-z1-mb1/run", "bench/models/llama-3b.json"),
+    ("2026-11-27-s13-2xH200/call56/nvlink32k/static/run", "bench/models/llama-4b-untied.json"),
+    ("2026-11-27-s13-2xH200/call57/nvlink32k/static/run", "bench/models/llama-4b-untied.json"),
+]
+# Runs whose allocator reached the card (alloc_retries > 0): H100 and H200.
+CAPPED_RUNS = [
+    "2026-11-27-s14-2xH100/call61/nvlink64k/static/run",
+    "2026-11-27-s14-2xH100/call63/static64k/static/run",
+    "2026-11-27-s13-2xH200/call56/static-unbounded",
+    "2026-11-27-s13-2xH200/call57/static-unbounded",
+]
+
+
+def _run_reserve(run: str, model_file: str) -> tuple[float, dict]:
+    """(measured reserve beyond the allocated peak in GiB, the planner's stage breakdown in
+    bytes) of one single-bucket run, both ranks' worst."""
+    folder = RESULTS_ROOT / run
+    section = json.loads((folder / "config.json").read_text())["ds_stpar"]
+    (bucket,) = section["buckets"]
+    last = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()][-1]
+    model = ModelSpec.load(str(RESULTS_ROOT.parents[1] / model_file))
+    train = TrainSpec(section["train"]["seq_len"], section["train"]["global_batch"])
+    local = Calibration.load_default("h100-80g", stack=LOCAL)
+    evaluator = cost.Evaluator(model, ClusterSpec(H100, 2), train, local)
+    strategy = Strategy.from_dict(bucket["strategy"])
+    (stage,) = evaluator.stage_bytes(strategy).values()
+    return last["peak_reserved_gib"] - last["peak_gib"], stage
+
+
+def test_local_allocator_fraction_is_the_fit_to_the_loops_measured_reserve():
+    # The caching allocator holds more than the allocated peak (blocks freed on one stream
+    # while the host runs ahead, sizes it cannot reuse): 9.4-11.9 GiB in these four runs, two
+    # models, 32K and 64K, TP2 ring and DP2 with ZeRO-1, on H100 and H200. The planner's
+    # allocator_headroom is allocator_fraction x (activations + buffers); the shipped fraction
+    # of the loop's stack is the least-squares fit through the origin to these runs (to its
+    # two decimals) and leaves each run within 2 GiB (residuals -1.7 to +1.1 GiB). The
+    # default 0.1 missed them by 7.5-10 GiB.
+    pairs = []
+    for run, model_file in RESERVE_RUNS:
+        gap, stage = _run_reserve(run, model_file)
+        assert stage["optimizer_step"] == 0.0  # the fraction applies to activations + buffers
+        pairs.append((gap, (stage["activations"] + stage["comm_buffers"]) / 2**30, stage))
+    fit = sum(g * a for g, a, _ in pairs) / sum(a * a for _, a, _ in pairs)
+    shipped = Calibration.load_default("h100-80g", stack=LOCAL).allocator_fraction
+    assert shipped == pytest.approx(fit, abs=0.005)
+    for gap, _, stage in pairs:
+        assert abs(stage["allocator_headroom"] / 2**30 - gap) <= 2.0, (gap, stage)
+
+
+@pytest.mark.parametrize("run", CAPPED_RUNS)
+def test_local_runtime_reserve_is_what_the_card_kept_outside_the_allocator(run):
+    # Where the allocator reached the card and began to release and retry, what it could not
+    # reserve (device_gib - peak_reserved_gib) is held outside it: the CUDA context, NCCL's
+    # buffers. 2.35-2.42 GiB on H100 (79.2 GiB) and H200 (139.8 GiB) alike; the loop's
+    # runtime_reserved_gib must be within 0.1 GiB of each.
+    last = [json.loads(line) for line in (RESULTS_ROOT / run / "metrics.jsonl").open()][-1]
+    assert last["alloc_retries"] > 0
+    outside = last["device_gib"] - last["peak_reserved_gib"]
+    for gpu in ("h100-80g", "h200-141g"):
+        runtime = Calibration.load_default(gpu, stack=LOCAL).runtime_reserved_gib
+        assert runtime == pytest.approx(outside, abs=0.1)
+
+
+S14 = RESULTS_ROOT / "2026-11-27-s14-2xH100"
+
+
+@pytest.mark.parametrize("plan", ["ring-mb2", "dp2-z1-mb1"])
+def test_h100_static_64k_time_per_token_with_the_other_head_dims_flash_fraction(plan):
+    # llama-3b (heads of 100: FlashAttention-2, not cuDNN) at 64K on 2 x H100 over NVLink
+    # (call 63): two static layouts that ran below the allocator's cap, each its own bucket
+    # of the corpus's packed 64K rows. The static plan's time (bucket_timing, from the run's
+    # recorded packing) per token against the measured one. With h100-80g's
+    # flash_fraction_other_dims of 0.23 (the H200 kernel measurement: the same GH100 compute
+    # die) the planner is 9% and 14% fast; with flash_fraction's 0.33 for every head dim it
+    # was 26% and 29% fast. Within 15%: what remains is recorded in BENCHMARKS.md
+    # (fourteenth session), not yet modelled.
+    from ds_stpar.planner.buckets import PackStats, bucket_timing
+
+    summary = json.loads((S14 / "call63/static64k/summary.json").read_text())
+    (b,) = summary["plans"]["static"]["buckets"]
+    stats = PackStats(
+        b["lo"], b["edge"], b["documents"], b["tokens"], b["tokens_per_step"],
+        b["packing_efficiency"], b["attention_ratio"],
+    )  # fmt: skip
+    config = json.loads((S14 / "call63/alt" / f"{plan}.json").read_text())["ds_stpar"]
+    strategy = Strategy.from_dict(config["buckets"][0]["strategy"])
+    model = ModelSpec.load(str(RESULTS_ROOT.parents[1] / summary["args"]["model"]))
+    measured = summary["measured"][plan]
+    edge = str(b["edge"])
+    measured_us = measured["bucket_s"][edge] / measured["bucket_tokens"][edge] * 1e6
+    train = TrainSpec(b["edge"], 8)
+    local = Calibration.load_default("h100-80g", stack=LOCAL)
+    errors = {}
+    for name, cal in (
+        ("shipped", local),
+        ("one fraction", local.replace(flash_fraction_other_dims=0.0)),
+    ):
+        timing = bucket_timing(model, ClusterSpec(H100, 2), train, stats, strategy, cal)
+        errors[name] = timing.pass_s / stats.tokens_per_step * 1e6 / measured_us - 1
+    assert -0.15 <= errors["shipped"] <= 0.05, errors
+    assert errors["one fraction"] < -0.2, errors
+
+
 def test_layers_benchmark_links_need_ring_overlap_cases():
     with pytest.raises(ConfigError, match="ring_overlap"):
         Profile.from_layers_benchmark({"rows": []}, "h200-141g", 8e-6)
