@@ -1062,8 +1062,8 @@ def test_h100_static_64k_time_per_token_with_the_other_head_dims_flash_fraction(
     # of the corpus's packed 64K rows. The static plan's time (bucket_timing, from the run's
     # recorded packing) per token against the measured one. With h100-80g's
     # flash_fraction_other_dims of 0.23 (the H200 kernel measurement: the same GH100 compute
-    # die) the planner is 9% and 14% fast; with flash_fraction's 0.33 for every head dim it
-    # was 26% and 29% fast. Within 15%: what remains is recorded in BENCHMARKS.md
+    # die) the planner is 9% and 14% short of the measured time; with flash_fraction's 0.33
+    # for every head dim it was 26% and 29% short. Within 15%: what remains is recorded in BENCHMARKS.md
     # (fourteenth session), not yet modelled.
     from ds_stpar.planner.buckets import PackStats, bucket_timing
 
