@@ -25,7 +25,9 @@ second run beside the first) on the same corpus
 (``--stdlib-files`` of the Python standard library, written once as JSON lines; or ``--data``).
 The table compares, per plan, the planner's predicted step and switch time (the switch planner's
 bandwidth bound) with the measured means of ``metrics.jsonl`` (the first step excluded: it
-warms up the allocator and NCCL), and the speedups over ``static``, predicted and measured
+warms up the allocator and NCCL), and the speedups over ``--baseline`` (default ``static``; any
+plan of the call, e.g. a ``--config`` layout measured faster than the planner's static),
+predicted and measured
 (ratio of tokens/s over all timed steps). "pred (steps run)" re-weights each bucket's
 predicted time by the tokens the timed steps really put in it (:func:`steps_run_prediction`):
 a few steps of context-long rows hold more or fewer long rows than the expected step the
@@ -190,26 +192,26 @@ def steps_run_prediction(report: dict, measured: dict | None) -> float | None:
     return step
 
 
-def table(label: str, gpu: str, reports: dict, measured: dict) -> str:
+def table(label: str, gpu: str, reports: dict, measured: dict, baseline: str = "static") -> str:
     head = (
         "| link | plan | buckets (edge: strategy) | step s pred | pred (steps run) | meas "
         "| err (steps run) | switch s bound | meas | tokens/s | speedup pred | pred (steps run) "
         "| meas | peak GiB pred (total) | meas (allocated) |"
     )  # step and switch: means over the timed steps; speedup: ratio of tokens/s
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    base_meas = measured.get("static", {}).get("tokens_per_s")
+    base_meas = measured.get(baseline, {}).get("tokens_per_s")
     base_run = (
-        steps_run_prediction(reports["static"], measured.get("static"))
-        if ("static" in reports)
+        steps_run_prediction(reports[baseline], measured.get(baseline))
+        if baseline in reports
         else None
     )
     for name, rep in reports.items():
         m = measured.get(name)
         pred = rep["bucketed_step_s"]
-        # the static plan's prediction, else the one the plan records (--plans planned run
-        # beside a --plans static run: the measured speedup is then taken across the two)
-        static = reports.get("static")
-        base_pred = static["bucketed_step_s"] if static else rep.get("static_step_s")
+        # the baseline's prediction, else the static one the plan records (--plans planned
+        # run beside a --plans static run: the measured speedup is then taken across the two)
+        base = reports.get(baseline)
+        base_pred = base["bucketed_step_s"] if base else rep.get("static_step_s")
         speed_pred = f"{base_pred / pred:.3f}x" if base_pred else "n/a"
         peak_pred = max(b["peak_memory_gib"] for b in rep["buckets"])
         run = steps_run_prediction(rep, m)
@@ -261,7 +263,7 @@ def bucket_table(reports: dict, measured: dict) -> str:
     return "\n".join(lines)
 
 
-def merge(folders: list[str], label: str) -> None:
+def merge(folders: list[str], label: str, baseline: str = "static") -> None:
     """Print one table for the plans of several runs of this script over other data orders
     (``--seed``), pooling the timed steps that every plan of a run completed (a run cut short
     by a time limit counts only the steps all its plans reached). The plans must be the same
@@ -289,7 +291,7 @@ def merge(folders: list[str], label: str) -> None:
     for name, rows in pooled.items():
         measured[name] = summarize(everything[name], rows)
         print(f"{name}: {len(rows)} timed steps from {len(folders)} runs", flush=True)
-    print(table(label, first["gpu"], reports, measured))
+    print(table(label, first["gpu"], reports, measured, baseline))
     print(bucket_table(reports, measured))
 
 
@@ -330,6 +332,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--label", default="nvlink")
     parser.add_argument(
+        "--baseline",
+        default="static",
+        help="the plan the speedups are over (a --plans or --config NAME of this call)",
+    )
+    parser.add_argument(
         "--launcher-args",
         default="",
         help="deepspeed launcher arguments instead of --num_gpus (e.g. "
@@ -345,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     if args.merge:
-        merge(args.merge, args.label)
+        merge(args.merge, args.label, args.baseline)
         return
     if not args.out:
         parser.error("--out is required (or --merge)")
@@ -368,6 +375,8 @@ def main(argv: list[str] | None = None) -> None:
     if "planned" in reports and "static" in reports:
         if reports["planned"]["edges"] == reports["static"]["edges"]:
             del reports["planned"]  # the planner chose the static layout: nothing new to run
+    if args.baseline not in reports:
+        parser.error(f"--baseline {args.baseline}: not among the plans {sorted(reports)}")
     measured = {}
     for name, rep in reports.items():
         print(f"{name}: {layouts(rep)}, predicted {rep['bucketed_step_s']:.3f} s", flush=True)
@@ -375,7 +384,7 @@ def main(argv: list[str] | None = None) -> None:
         if result is not None:
             measured[name] = result
             print(f"{name}: measured {result}", flush=True)
-    print(table(args.label, gpu, reports, measured))
+    print(table(args.label, gpu, reports, measured, args.baseline))
     print(bucket_table(reports, measured))
     with open(os.path.join(args.out, "summary.json"), "w") as handle:
         json.dump({"args": vars(args), "gpu": gpu, "plans": reports, "measured": measured}, handle)

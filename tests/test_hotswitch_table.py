@@ -42,3 +42,28 @@ def test_bucket_table_divides_seconds_by_tokens_over_the_timed_steps() -> None:
     assert lines[3] == "| planned | <=32 | tp2 | 1,000 | 1,000 | 2000.00 | 2000.00 | +0.0% |"
     # <=64 never ran: no measured figure
     assert lines[4] == "| planned | <=64 | tp2 rc | 10 | n/a | 100000.00 | n/a | n/a |"
+
+
+def test_table_takes_the_speedups_over_the_named_baseline() -> None:
+    # two plans of one call on the same steps: the baseline ran 3000 tokens in (3 + 3) s,
+    # the bucketed plan the same tokens in (2 + 2) s: 500 vs 750 tokens/s, 1.5x measured;
+    # predicted 6 s vs 5 s, 1.2x; the steps run hold the expected tokens, so also 1.2x
+    def report(short: str, step_s: float) -> dict:
+        bucket = {"edge": 16, "short": short, "time_s": step_s, "tokens_per_step": 1500}
+        return {
+            "buckets": [{**bucket, "switch_s": 0.0, "peak_memory_gib": 10.0}],
+            "bucketed_step_s": step_s,
+            "switch_s": 0.0,
+            "update_s": 0.0,
+        }
+
+    reports = {"planned": report("tp2", 5.0), "dp2": report("dp2", 6.0)}
+    measured = {
+        "planned": hotswitch.summarize([_row(s, {"16": 2.0}, {"16": 1500}) for s in (1, 2, 3)]),
+        "dp2": hotswitch.summarize([_row(s, {"16": 3.0}, {"16": 1500}) for s in (1, 2, 3)]),
+    }
+    lines = hotswitch.table("nvlink", "h100-80g", reports, measured, "dp2").splitlines()
+    planned = [cell.strip() for cell in lines[3].split("|")]
+    assert planned[2] == "planned" and planned[11:14] == ["1.200x", "1.200x", "1.500x"]
+    dp2 = [cell.strip() for cell in lines[4].split("|")]
+    assert dp2[11:14] == ["1.000x", "1.000x", "1.000x"]
