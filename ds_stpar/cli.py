@@ -530,6 +530,13 @@ def estimate_command_parser(subparsers=None) -> argparse.ArgumentParser:
     )
     s.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage")
     s.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none")
+    s.add_argument(
+        "--recompute-layers",
+        type=int,
+        default=0,
+        help="with --recompute full: recompute the first K layers of each pipeline stage, "
+        "keep all activations of the others (Megatron's block method; 0: every layer)",
+    )
     s.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     s.add_argument(
         "--ring-linear-mlp",
@@ -571,6 +578,7 @@ def estimate_command(args: argparse.Namespace) -> int:
         sequence_parallel=args.sp,
         vpp_layers=args.vpp_layers,
         fused_ring_mlp=not args.ring_linear_mlp,
+        recompute_layers=args.recompute_layers,
     )
     rules.check(model, cluster, train, strategy)
     est = estimate(model, cluster, train, strategy)
@@ -604,8 +612,9 @@ def _lighter_variants(model, cluster, train, strategy) -> list[tuple[str, float]
     from ds_stpar.planner.cost import estimate
 
     zero = 3 if strategy.layout.pp == 1 else 1
-    changes = [({"recompute": "full"}, "--recompute full"), ({"zero": zero}, f"--zero {zero}")]
-    changes.append(({"recompute": "full", "zero": zero}, f"--recompute full --zero {zero}"))
+    full = {"recompute": "full", "recompute_layers": 0}  # every layer
+    changes = [(full, "--recompute full"), ({"zero": zero}, f"--zero {zero}")]
+    changes.append(({**full, "zero": zero}, f"--recompute full --zero {zero}"))
     out = []
     for change, flags in changes:
         variant = dataclasses.replace(strategy, **change)

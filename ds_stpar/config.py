@@ -527,6 +527,11 @@ class Strategy:
     fused ring pass (``layers/ring_mlp.py``) instead of two ring linears.
     ``first_stage_layers`` / ``last_stage_layers``: uneven pipeline stages (Megatron's
     --decoder-first/last-pipeline-num-layers); 0 means even.
+    ``recompute_layers`` (full recompute only): recompute the first k layers of each
+    pipeline stage and keep every activation of the others (Megatron's --recompute-method
+    block --recompute-num-layers k); a stage of at most k layers recomputes them all. 0 means
+    every layer (--recompute-method uniform, one layer per checkpoint). Between no recompute
+    and full, it spends the memory a layout has left on skipping recompute.
     """
 
     layout: Layout
@@ -538,6 +543,7 @@ class Strategy:
     first_stage_layers: int = 0
     last_stage_layers: int = 0
     fused_ring_mlp: bool = True
+    recompute_layers: int = 0
 
     def __post_init__(self) -> None:
         _check_positive(self, "micro_batch")
@@ -547,6 +553,26 @@ class Strategy:
             raise ConfigError(f"recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
         if self.vpp_layers < 0 or self.first_stage_layers < 0 or self.last_stage_layers < 0:
             raise ConfigError("vpp_layers and first/last stage layers must be >= 0")
+        if self.recompute_layers < 0:
+            raise ConfigError(f"recompute_layers must be >= 0, got {self.recompute_layers}")
+        if self.recompute_layers and self.recompute != "full":
+            raise ConfigError(
+                f"recompute_layers={self.recompute_layers} needs recompute 'full' (the block "
+                f"method recomputes whole layers), got {self.recompute!r}"
+            )
+        if self.recompute_layers and self.vpp_layers:
+            raise ConfigError(
+                "recompute_layers with vpp_layers is not supported: Megatron's block method "
+                "counts layers per virtual stage, which the planner does not model"
+            )
+
+    def recomputed_layers(self, stage_layers: int) -> int:
+        """Layers of a stage of ``stage_layers`` that recompute: all under full recompute
+        (``recompute_layers`` 0, or a stage of at most that many), the first
+        ``recompute_layers`` under the block method, none otherwise."""
+        if self.recompute != "full":
+            return 0
+        return min(self.recompute_layers or stage_layers, stage_layers)
 
     @property
     def runs_fused_ring_mlp(self) -> bool:
@@ -562,7 +588,9 @@ class Strategy:
 
     def short(self) -> str:
         parts = [self.layout.short(), f"mb{self.micro_batch}", f"z{self.zero}"]
-        if self.recompute != "none":
+        if self.recompute_layers:
+            parts.append(f"rc-block{self.recompute_layers}")
+        elif self.recompute != "none":
             parts.append(f"rc-{self.recompute}")
         if self.sequence_parallel:
             parts.append("sp")
@@ -586,12 +614,15 @@ class Strategy:
 
 def model_key(strategy: Strategy) -> Strategy:
     """What a layout's model depends on: the strategy without its batch and ZeRO knobs, and
-    with full recompute as none (a runtime switch of one megatron-core model,
+    with full recompute, of every layer or a block of them, as none (a runtime switch of one
+    megatron-core model,
     :func:`ds_stpar.integrations.megatron.set_full_recompute`). Buckets whose keys are equal
     share one model: a short bucket without recompute in the home layout of a fully
     recomputed long bucket runs on the home model, with no switch."""
     recompute = "none" if strategy.recompute == "full" else strategy.recompute
-    return dataclasses.replace(strategy, micro_batch=1, zero=0, recompute=recompute)
+    return dataclasses.replace(
+        strategy, micro_batch=1, zero=0, recompute=recompute, recompute_layers=0
+    )
 
 
 def stage_layers(num_layers: int, strategy: Strategy) -> list[int]:

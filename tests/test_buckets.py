@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -255,11 +256,11 @@ def test_carry_is_held_by_a_second_short_layout_only():
         0,
         0.01,
     )
-    home = next(o for o in planner.options(SEQ, home=True) if o.strategy.layout.tp == 2)
-    dp2 = next(o for o in planner.options(SHORT, home=False) if o.strategy.layout.dp == 2)
+    home = next(o for o in planner.options(SEQ) if o.strategy.layout.tp == 2)
+    dp2 = next(o for o in planner.options(SHORT, planner.options(SEQ)) if o.strategy.layout.dp == 2)
     tp2 = next(
         o
-        for o in planner.options(4096, home=False)
+        for o in planner.options(4096, planner.options(SEQ))
         if o.strategy.layout.tp == 2 and o.key != home.key
     )
     first, second, last = planner.bucket_peaks_gib(home, [dp2, tp2])
@@ -488,8 +489,10 @@ def test_a_tied_model_runs_pipelines_at_home_and_in_a_short_bucket():
     assert low.switch_s == pytest.approx(switch, rel=1e-6)
     # memory: the home states, the pipeline's bf16 weights and fp32 gradients of its larger
     # stage (the last: 18 layers, the LM head's copy of the embedding, the final norm) and
-    # its activations, largest on the last stage under full recompute (the head's chunk of
-    # logits and fp32 weight gradient outweigh the first stage's two micro-batches in flight)
+    # its activations, largest on the first stage: under the block method (7 of each
+    # stage's 18 layers recomputed, the fewest that fit) the first stage's two micro-batches
+    # in flight, 11 layers of each keeping every tensor, outweigh the last stage's one and
+    # the head's chunk of logits
     home_est = estimate(TIED4B, slow, TrainSpec(long, 2), home.strategy, LOCAL)
     states = sum(home_est.memory_breakdown[k] for k in ("weights", "grads", "optimizer"))
     last = (
@@ -500,7 +503,7 @@ def test_a_tied_model_runs_pipelines_at_home_and_in_a_short_bucket():
     in_flight = TrainSpec(short, 2 * low.strategy.micro_batch)
     away = estimate(TIED4B, slow, in_flight, low.strategy, LOCAL.replace(dp_bucket_elements=0))
     b = away.memory_breakdown
-    assert away.peak_stage == 1
+    assert low.strategy.recompute_layers == 7 and away.peak_stage == 0
     active = away.peak_memory_gib - b["weights"] - b["grads"] - b["optimizer"] - b["optimizer_step"]
     assert low.peak_memory_gib == pytest.approx(states + 6 * last / 2**30 + active, rel=REL)
 
@@ -544,7 +547,7 @@ def test_pipeline_timing_is_affine_in_micro_batches():
     assert runs > 1.1 * _parts(estimate(UNTIED4B, SLOW2, TrainSpec(SEQ, 6), z2, LOCAL))[1]
     option = next(
         o
-        for o in planner.options(4096, home=False)
+        for o in planner.options(4096, planner.options(SEQ))
         if o.strategy == Strategy(Layout(pp=2), micro_batch=1, zero=0)
     )
     stats = planner.stats((4096,))[0]  # one 4096-token document per row: attention ratio 1
@@ -782,13 +785,14 @@ def test_plot_without_matplotlib_names_the_extra(capsys, stdlib_jsonl, tmp_path,
 
 
 def test_bucketed_plan_notes_a_faster_static_layout_it_cannot_run(capsys, encodings_jsonl):
-    # Over a 100 GB/s link two buckets (DP2 short rows beside a 2-stage pipeline home, which
+    # Over a 100 GB/s link on 73 GiB (where DP2 holds 32K rows only with recompute, and the
+    # 2-stage pipeline without) two buckets (DP2 short rows beside a 2-stage pipeline home, which
     # holds gpt3-1.3b's tied embedding on both stages) beat the best runnable static layout,
     # while an interleaved pipeline, which the loop does not run, is predicted faster still;
     # the note says so in one clause (it once ended in a dangling "; ").
     argv = ["buckets", "--data", encodings_jsonl, "--model", "gpt3-1.3b", "--gpus", "2"]
     argv += ["--seq-len", "32768", "--global-batch", "128", "--stack", "fused", "--json"]
-    argv += ["--nvlink-gbs", "100", "--hbm-gib", str(DATASHEET_80GB)]
+    argv += ["--nvlink-gbs", "100", "--hbm-gib", "73"]
     code, out, err = run(capsys, *argv)
     assert code == 0, err
     data = json.loads(out)
@@ -886,3 +890,53 @@ def test_buckets_are_predicted_for_the_training_loops_stack(capsys, stdlib_jsonl
 def test_cli_defaults_match_the_planner():
     assert cli.DEFAULT_MAX_BUCKETS == bk.DEFAULT_MAX_BUCKETS
     assert cli.DEFAULT_MIN_EDGE == bk.DEFAULT_MIN_EDGE
+
+
+def test_block_recompute_beside_a_home_recomputes_the_fewest_layers_that_fit():
+    # llama-3b at 64K on 2 x H100, the loop's stack, rows of 24K and of 64K: neither holds its
+    # rows without recompute. A home option under the block method recomputes the fewest
+    # layers that fit its own peak; a 24K option the fewest that fit beside some home, as
+    # the first bucket (the peak bucket_peaks_gib checks) or, on a model of its own, after
+    # another (the same and the home's fp32 gradient carry): one layer fewer does not fit
+    # there.
+    model = ModelSpec.load(str(Path(__file__).parents[1] / "bench/models/llama-3b.json"))
+    seq, mid = 65536, 24576
+    planner = bk._Planner(
+        bk.Pieces.of(np.array([mid] * 40 + [seq] * 10), seq),
+        model,
+        ClusterSpec(load_gpu("h100-80g"), 2),
+        TrainSpec(seq, 8),
+        (mid, seq),
+        2,
+        ("megatron", "ring"),
+        False,
+        Calibration.load_default("h100-80g", stack="megatron-core-local"),
+        0,
+        0.01,
+    )
+    capacity = planner.capacity
+
+    def fewer(strategy: Strategy) -> Strategy:
+        k = strategy.recompute_layers
+        if k == 1:
+            return dataclasses.replace(strategy, recompute="none", recompute_layers=0)
+        return dataclasses.replace(strategy, recompute_layers=k - 1)
+
+    homes = planner.options(seq)
+    blocks = [h for h in homes if h.strategy.recompute_layers]
+    assert blocks
+    for h in blocks:
+        assert planner._memory(seq, h.strategy, True)[2]
+        assert not planner._memory(seq, fewer(h.strategy), True)[2]
+    away = [o for o in planner.options(mid, homes) if o.strategy.recompute_layers]
+    assert away
+    for o in away:
+        less = planner._option(mid, fewer(o.strategy), home=False)
+        least = less is None
+        for h in homes:
+            carries = (0.0,) if o.model == h.model else (0.0, 4 * h.params / 2**30)
+            for carry in carries:
+                peak = planner.bucket_peaks_gib(h, [o])[0] + carry
+                if peak <= capacity and less is not None:
+                    least |= planner.bucket_peaks_gib(h, [less])[0] + carry > capacity
+        assert least, o.strategy.short()

@@ -25,6 +25,7 @@ its layer cost is compared with the measured TransformerLayer, its ring pass wit
 measured ring forward. (Whole-step accuracy is ``bench/planner_accuracy.py --report``.)
 """
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -110,7 +111,7 @@ def megatron_2021_row(row) -> tuple[float, float]:
     strategy = Strategy(layout, micro_batch=mbs, zero=0, recompute="full", vpp_layers=vpp)
     est = estimate(model, ClusterSpec(A100, gpus, 8), train, strategy, cal)
     assert est.fits, f"{name}: the published layout must fit ({est.peak_memory_gib:.1f} GiB)"
-    hardware = hardware_flops_per_step(model, train, "full") / est.step_time_s / gpus / 1e12
+    hardware = hardware_flops_per_step(model, train, strategy) / est.step_time_s / gpus / 1e12
     return published, hardware
 
 
@@ -209,9 +210,17 @@ def test_full_recompute_hardware_flops_is_the_96_formula():
     model, train = gpt("g", 12288, 96, 96), TrainSpec(2048, 64)
     B, s, l, h, V = 64, 2048, 96, 12288, 51200
     closed = 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
-    assert hardware_flops_per_step(model, train, "full") == pytest.approx(closed, rel=1e-12)
+    layout = Layout(dp=1, tp=8, pp=8)
+    full = Strategy(layout, recompute="full")
+    assert hardware_flops_per_step(model, train, full) == pytest.approx(closed, rel=1e-12)
+    # full recompute adds (96 - 72) B s l h^2 (1 + s/(6h)), one forward of every block; the
+    # block method over 8 stages of 12 layers, 3 recomputed in each, a quarter of that
+    block = dataclasses.replace(full, recompute_layers=3)
+    extra = hardware_flops_per_step(model, train, block) - model_flops_per_step(model, train)
+    assert extra == pytest.approx(24 * B * s * l * h**2 * (1 + s / (6 * h)) / 4, rel=1e-12)
     # selective reruns the attention core forward once: 4 B s^2 l h more than model FLOPs
-    extra = hardware_flops_per_step(model, train, "selective") - model_flops_per_step(model, train)
+    selective = Strategy(layout, recompute="selective")
+    extra = hardware_flops_per_step(model, train, selective) - model_flops_per_step(model, train)
     assert extra == pytest.approx(4 * B * s**2 * l * h, rel=1e-12)
 
 
@@ -469,6 +478,44 @@ def test_more_recompute_trades_memory_for_time(flash):
         assert memory[0] > memory[1] > memory[2]
         assert time[0] < time[1] < time[2]
     assert ests[2].hfu > ests[2].mfu and ests[0].hfu == ests[0].mfu
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_block_recompute_keeps_every_tensor_of_the_layers_it_does_not_recompute(pp):
+    # llama-3b at 16K, TP2 ring linears, on the loop's stack: under the block method each
+    # stage keeps, per micro-batch in flight, the input of its first k layers and every
+    # tensor of the other n - k (the "none" row of the activation table), where full
+    # recompute keeps only inputs; the transient (one layer recomputed at a time) is the
+    # same. Time: k of the n layers run their forward again, so the recompute term is
+    # k / n of full recompute's, and so are the extra hardware FLOPs.
+    model = ModelSpec.load(str(Path(__file__).parents[1] / "bench/models/llama-3b.json"))
+    train = TrainSpec(16384, 8)
+    cal = Calibration.load_default("h100-80g", stack="megatron-core-local")
+    ev = cost.Evaluator(model, ClusterSpec(H100, 2 * pp), train, cal)
+    layout = Layout(tp=2, pp=pp, tp_mode="ring")
+    full = Strategy(layout, micro_batch=1, zero=0, recompute="full", sequence_parallel=True)
+    n = model.num_layers // pp
+    ctx = cost._Context(ev, full)
+    kept = {
+        rc: mem.layer_activation_bytes(ctx.activations, ctx.tokens, 2, ctx.sharded, rc)
+        for rc in ("none", "full")
+    }
+    full_est = ev.estimate(full)
+    for k in (1, n // 2, n - 1):
+        block = dataclasses.replace(full, recompute_layers=k)
+        for stage, memory in ev.stage_bytes(block).items():
+            inflight = mem.inflight_layers(stage, n, pp, full_est.micro_batches, 1) / n
+            more = memory["activations"] - ev.stage_bytes(full)[stage]["activations"]
+            assert more == pytest.approx(inflight * (n - k) * (kept["none"] - kept["full"]))
+        est = ev.estimate(block)
+        recompute = est.time_breakdown["recompute"]
+        assert recompute == pytest.approx(k / n * full_est.time_breakdown["recompute"])
+        extra = hardware_flops_per_step(model, train, block) - model_flops_per_step(model, train)
+        full_extra = full_est.hardware_flops_per_step - model_flops_per_step(model, train)
+        assert extra == pytest.approx(k / n * full_extra)
+        assert est.step_time_s < full_est.step_time_s
+        # (the peak may be the optimizer step's, after the activations are gone)
+        assert est.peak_memory_gib >= full_est.peak_memory_gib
 
 
 def test_oversized_layout_does_not_fit():
@@ -795,7 +842,7 @@ def _layer_ms(model, strategy, gpu, links, cal) -> float:
     """The planner's fwd + bwd milliseconds of one block, as bench/layers.py times a layer."""
     ev = cost.Evaluator(model, ClusterSpec(gpu, 2, 2, profile=links), TrainSpec(4096, 8), cal)
     block = cost.block_cost(cost._Context(ev, strategy))
-    return (block.fwd + block.bwd + block.comm) * 1e3
+    return (block.fwd + block.bwd + block.comm_fwd + block.comm_bwd) * 1e3
 
 
 FUSED = Path(__file__).resolve().parent.parent / "bench" / "results" / "2026-11-26-s4-2xH100"

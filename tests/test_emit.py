@@ -92,6 +92,11 @@ CASES = {
     "gqa-t-gt-groups-fp16": _case(
         GQA4, 16, 1024, 32, Layout(dp=2, tp=8), dtype="fp16", zero=0, sequence_parallel=True,
     ),
+    # full recompute of 3 of each stage's 16 layers (block method), the others keep all
+    "pp2-block-recompute": _case(
+        LLAMA, 16, 4096, 64, Layout(dp=2, tp=4, pp=2), zero=1, recompute="full",
+        sequence_parallel=True, recompute_layers=3,
+    ),
     # pipeline 2 without interleaving, fp32, plain Adam
     "pp2-fp32-adam": _case(
         GPT, 8, 1024, 64, Layout(dp=4, tp=1, pp=2), dtype="fp32", optimizer="adam", zero=0,
@@ -275,7 +280,11 @@ def test_rule10_recompute_method_and_layers(emitted):
             None if strategy.recompute == "none" else strategy.recompute
         )
         if ns.recompute_granularity == "full":
-            assert ns.recompute_method in ("uniform", "block")
+            # every layer one at a time, or the block method's first k of each stage
+            k = strategy.recompute_layers
+            assert (ns.recompute_method, ns.recompute_num_layers) == (
+                ("block", k) if k else ("uniform", 1)
+            )
             assert 1 <= ns.recompute_num_layers <= ns.num_layers // ns.pipeline_model_parallel_size
         else:
             assert ns.recompute_method is None and ns.recompute_num_layers is None

@@ -1,7 +1,9 @@
 """Layout search: ranks only valid, fitting strategies; pruning loses nothing against a brute
 force; rejected families carry a reason; the closest layout comes back when nothing fits."""
 
+import dataclasses
 import itertools
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +20,7 @@ from ds_stpar.config import (
 )
 from ds_stpar.errors import ConfigError
 from ds_stpar.planner.cost import Evaluator
+from ds_stpar.planner.profile import Calibration
 from ds_stpar.planner.rules import violations
 from ds_stpar.planner.search import divisors, search, stage_split
 
@@ -65,9 +68,16 @@ def brute_force_best(model, cluster, train) -> float:
                 continue  # the same layout as Megatron tp 1
             if violations(model, cluster, train, strategy):
                 continue
-            est = ev.estimate(strategy)
-            if est.fits:
-                best = max(best, est.tokens_per_s)
+            variants = [strategy]
+            if rc == "full" and not vpp:  # the block method, every k below the stage's layers
+                most = min(stage_layers(model.num_layers, strategy))
+                variants += [
+                    dataclasses.replace(strategy, recompute_layers=k) for k in range(1, most)
+                ]
+            for variant in variants:
+                est = ev.estimate(variant)
+                if est.fits:
+                    best = max(best, est.tokens_per_s)
     return best
 
 
@@ -77,6 +87,32 @@ def test_pruning_loses_nothing_against_brute_force():
     result = search(SMALL, cluster, train, top_k=1)
     # the same estimator on both sides: the best must agree to rounding
     assert result.top[0].tokens_per_s == pytest.approx(brute_force_best(SMALL, cluster, train))
+
+
+def test_block_recompute_takes_the_fewest_layers_that_fit():
+    # llama-3b at 64K on 2 x H100, on the loop's stack: no layout holds a 64K row without
+    # recompute, every one holds it with full recompute. Each block-method candidate the
+    # search keeps recomputes k layers where k fits and k - 1 (or no recompute) does not,
+    # and is faster than full recompute; the fastest of all is one of them.
+    model = ModelSpec.load(str(Path(__file__).parents[1] / "bench/models/llama-3b.json"))
+    cluster, train = ClusterSpec(H100, 2), TrainSpec(65536, 8)
+    cal = Calibration.load_default("h100-80g", stack="megatron-core-local")
+    result = search(model, cluster, train, top_k=1 << 30, calibration=cal)
+    ev = Evaluator(model, cluster, train, cal)
+
+    def fits(strategy: Strategy) -> bool:
+        return sum(ev.memory(strategy)[1].values()) <= H100.hbm_gib
+
+    blocks = [e for e in result.top if e.strategy.recompute_layers]
+    assert blocks and result.top[0].strategy.recompute_layers
+    for est in blocks:
+        s, k = est.strategy, est.strategy.recompute_layers
+        fewer = dataclasses.replace(s, recompute_layers=k - 1)
+        if k == 1:
+            fewer = dataclasses.replace(s, recompute="none", recompute_layers=0)
+        assert fits(s) and not fits(fewer), s.short()
+        full = dataclasses.replace(s, recompute_layers=0)
+        assert est.step_time_s < ev.estimate(full).step_time_s
 
 
 def test_tp_modes_filter():

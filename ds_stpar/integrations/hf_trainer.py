@@ -288,13 +288,52 @@ class HFBucketRunner(BucketRunner):
 
     @staticmethod
     def _set_recompute(model: LayoutModel, strategy: Strategy) -> None:
-        """Full recompute = transformers' gradient checkpointing of every decoder layer
-        (non-reentrant), switched per bucket on the shared model."""
+        """Full recompute = transformers' gradient (activation) checkpointing, non-reentrant,
+        switched per bucket on the shared model: of every decoder layer, or with
+        ``recompute_layers`` k of the first k (Megatron's block method; pp is 1 here, so the
+        model is the one stage).
+
+        Why per-layer flags do that (transformers 5.24, modeling_layers.py and
+        modeling_utils.py): a decoder layer derived from ``GradientCheckpointingLayer``
+        (Llama, Qwen2, GPT-2, ...) has its ``forward`` wrapped to run through
+        ``_gradient_checkpointing_func`` iff its own ``gradient_checkpointing`` flag is set
+        (and it trains with grad enabled), read at every call. Enabling checkpointing gives
+        every module that function and sets every flag (transformers' own ``every_n_layers``
+        sets the layers' flags one by one the same way); the flags of layers k and on are then
+        cleared. Layers without that class (older transformers) are checkpointed by the
+        model's own loop, all or none: k short of all of them is refused here, at the bucket's
+        first run. Turning recompute off also removes the input-embedding hook that enabling
+        registers, which transformers' disable leaves (each off-on switch would add one)."""
         module = model.module
-        if strategy.recompute == "full" and not module.is_gradient_checkpointing:
-            module.gradient_checkpointing_enable({"use_reentrant": False})
-        elif strategy.recompute != "full" and module.is_gradient_checkpointing:
-            module.gradient_checkpointing_disable()
+        layers = module.get_submodule(module.stpar.layers)
+        k = strategy.recomputed_layers(len(layers))
+        on = any(getattr(m, "gradient_checkpointing", False) for m in module.modules())
+        if not k:
+            if on:
+                disable = getattr(module, "activation_checkpointing_disable", None)
+                (disable or module.gradient_checkpointing_disable)()
+                if getattr(module, "_require_grads_hooks", None) or hasattr(
+                    module, "_require_grads_hook"
+                ):
+                    module.disable_input_require_grads()
+            return
+        try:
+            from transformers.modeling_layers import GradientCheckpointingLayer as checkpointed
+        except ImportError:  # transformers before GradientCheckpointingLayer
+            checkpointed = ()
+        per_layer = all(isinstance(layer, checkpointed) for layer in layers)
+        if k < len(layers) and not per_layer:
+            raise ConfigError(
+                f"{strategy.short()}: recompute_layers={strategy.recompute_layers} needs decoder "
+                f"layers derived from transformers' GradientCheckpointingLayer (checkpointed one "
+                f"by one); {type(layers[0]).__name__} is not: use recompute_layers 0"
+            )
+        if not on:
+            enable = getattr(module, "activation_checkpointing_enable", None)
+            (enable or module.gradient_checkpointing_enable)({"use_reentrant": False})
+        if per_layer:
+            for index, layer in enumerate(layers):
+                layer.gradient_checkpointing = index < k
 
     def _loss(self, module, model: LayoutModel, mb: MicroBatch, num_targets: int):
         """Packed rows through the HF forward; sum of token losses / the mini-batch's count."""

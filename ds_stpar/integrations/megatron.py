@@ -21,16 +21,27 @@ from ds_stpar.parallel import LayoutGroups
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def recompute_fields(recompute: str) -> dict:
-    """TransformerConfig's recompute fields for the planner's ``none``/``selective``/``full``
-    (full: every layer's input kept, the layer recomputed in backward, Megatron-LM's
-    --recompute-granularity full --recompute-method uniform --recompute-num-layers 1)."""
+def recompute_fields(recompute: str, layers: int = 0) -> dict:
+    """TransformerConfig's recompute fields for the planner's ``none``/``selective``/``full``.
+
+    Full with ``layers`` 0: every layer's input kept, the layer recomputed in backward
+    (Megatron-LM's --recompute-granularity full --recompute-method uniform
+    --recompute-num-layers 1). Full with ``layers`` k > 0: the block method
+    (--recompute-method block --recompute-num-layers k), the first k layers of each pipeline
+    stage recomputed, the others keeping all their activations; a stage of at most k layers
+    recomputes them all (megatron-core checkpoints layer i of the stage iff i < k, and checks
+    k against nothing). ``layers`` belongs to full recompute only
+    (:class:`~ds_stpar.config.Strategy` refuses it elsewhere), so it is refused here too."""
+    if layers < 0:
+        raise ValueError(f"recompute layers must be >= 0, got {layers}")
     if recompute == "full":
         return {
             "recompute_granularity": "full",
-            "recompute_method": "uniform",
-            "recompute_num_layers": 1,
+            "recompute_method": "block" if layers else "uniform",
+            "recompute_num_layers": layers or 1,
         }
+    if layers:
+        raise ValueError(f"recompute layers ({layers}) need full recompute, got {recompute!r}")
     granularity = "selective" if recompute == "selective" else None
     return {
         "recompute_granularity": granularity,
@@ -39,13 +50,26 @@ def recompute_fields(recompute: str) -> dict:
     }
 
 
-def set_full_recompute(config: TransformerConfig, recompute: str) -> None:
-    """Switch a built model between no and full recompute: megatron-core's TransformerBlock
-    reads these fields at every forward, so one model serves buckets that differ only in
-    that (selective recompute is fixed when the layers are built)."""
+def set_full_recompute(config: TransformerConfig, recompute: str, layers: int = 0) -> None:
+    """Switch a built model between no recompute, full recompute of every layer and full
+    recompute of the first ``layers`` of its stage (:func:`recompute_fields`), so one model
+    serves buckets that differ only in that; selective recompute is fixed when the layers are
+    built (megatron-core's attention and layers read it in ``__init__``).
+
+    Why a runtime switch works (megatron-core 0.16.1, transformer/transformer_block.py):
+    ``TransformerBlock.forward`` tests ``config.recompute_granularity == 'full' and
+    self.training`` at every call, and ``_checkpointed_forward`` reads
+    ``config.recompute_method`` and ``config.recompute_num_layers`` at every call -- uniform:
+    checkpoints of ``recompute_num_layers`` consecutive layers; block: layer i of the stage
+    checkpointed iff i < ``recompute_num_layers``, the rest run plainly (without a
+    ``padding_mask``, which ds_stpar never passes). Nothing in the GPT model reads the two
+    fields when it is built (the multi-token-prediction block does at forward; ds_stpar builds
+    none), and the model's modules hold the config object, not a copy. TransformerConfig
+    checks the fields only in ``__post_init__``, which setting them here skips:
+    :func:`recompute_fields` gives only combinations it accepts."""
     if config.recompute_granularity == "selective" or recompute == "selective":
         raise ValueError("selective recompute is fixed when a model is built")
-    for name, value in recompute_fields(recompute).items():
+    for name, value in recompute_fields(recompute, layers).items():
         setattr(config, name, value)
 
 
@@ -66,7 +90,8 @@ def transformer_config(
     """Megatron TransformerConfig for ``model`` under ``strategy`` (dropout off by default)."""
     layout = strategy.layout
     params_dtype = _DTYPES[dtype]
-    recompute = {k: v for k, v in recompute_fields(strategy.recompute).items() if v is not None}
+    fields = recompute_fields(strategy.recompute, strategy.recompute_layers)
+    recompute = {k: v for k, v in fields.items() if v is not None}
     layers = stage_layers(model.num_layers, strategy)
     kwargs = dict(
         num_layers=model.num_layers,

@@ -153,7 +153,13 @@ from ds_stpar.planner import rules
 from ds_stpar.planner.compute import Speed
 from ds_stpar.planner.cost import Estimate, Evaluator
 from ds_stpar.planner.profile import Calibration
-from ds_stpar.planner.search import MAX_MICRO_BATCH, families, knob_grid, search
+from ds_stpar.planner.search import (
+    MAX_MICRO_BATCH,
+    families,
+    knob_grid,
+    least_block_recompute,
+    search,
+)
 from ds_stpar.seqbucket.lengths import split_lengths
 from ds_stpar.seqbucket.packing import Piece, pack_buckets
 from ds_stpar.seqbucket.runner import LOOP_ZERO, loop_refusal
@@ -844,9 +850,11 @@ class _Planner:
         return affine_timing(first, second, work, runs)
 
     # ---- options ---------------------------------------------------------------------
-    def options(self, edge: int, home: bool) -> list[_Option]:
-        """Every valid strategy at ``edge`` that the loop runs (:func:`runnable`, as the home
-        or as another bucket) and that could fit, as :class:`_Option` s."""
+    def options(self, edge: int, homes: Sequence[_Option] | None = None) -> list[_Option]:
+        """Every valid strategy at ``edge`` that the loop runs (:func:`runnable`) and that
+        could fit, as :class:`_Option` s: as the home (``homes`` None) or as another bucket
+        beside one of ``homes``."""
+        home = homes is None
         out = []
         flash = self.cal.flash_attention
         for layout in self.layouts:
@@ -865,14 +873,66 @@ class _Planner:
                     if option is None:
                         break  # a larger micro-batch needs more memory still
                     out.append(option)
+                    for block in self.block_recompute(edge, strategy, homes):
+                        variant = self._option(edge, block, home)
+                        if variant is not None:  # its own memory check may still refuse it
+                            out.append(variant)
         return out
 
-    def _option(self, edge: int, strategy: Strategy, home: bool) -> _Option | None:
-        """The option's times and memory (:class:`_Option`). Memory per GPU takes each term
-        at its largest pipeline stage (model states, parameters, activations and buffers; a
-        GPU's stage differs from layout to layout), the home's peak at its peak stage."""
-        away = not home
-        stages = self.evaluator(edge, self.base_rows, 0.0, away).stage_bytes(strategy)
+    def block_recompute(
+        self, edge: int, strategy: Strategy, homes: Sequence[_Option] | None
+    ) -> list[Strategy]:
+        """Block-method variants of a fitting full-recompute ``strategy`` at ``edge``
+        (:func:`~ds_stpar.planner.search.least_block_recompute`), none when no recompute
+        fits already. A home option (``homes`` None) gets the one with the fewest layers
+        recomputed that fits. A non-home option's memory depends on the home it runs beside
+        and on its place (:meth:`bucket_peaks_gib`): one variant per distinct memory it would
+        add to over ``homes`` -- the home's states, plus, on a model of its own, its own
+        weights and gradients, with or without the home's gradient carry (held from a bucket
+        before it) -- so that each home finds the fastest that fits beside it."""
+        if strategy.recompute != "full":
+            return []
+        none = dataclasses.replace(strategy, recompute="none")
+        if homes is None:
+            if self._memory(edge, none, True)[2]:
+                return []
+            block = least_block_recompute(
+                strategy, self.model, lambda s: self._memory(edge, s, True)[2]
+            )
+            return [block] if block is not None else []
+        own = (self.e + GRAD_BYTES) * max(mem.stage_params(self.model, strategy)) / GiB
+        beside = set()
+        for h in homes:
+            if model_key(strategy) == h.key:
+                beside.add((True, round(h.states_gib, 6)))
+                continue
+            carry = GRAD_BYTES * h.params / GiB
+            for held in (h.states_gib + own, h.states_gib + own + carry):
+                beside.add((False, round(held, 6)))
+        found = set()
+        for shared, held in sorted(beside):
+
+            def fits(s: Strategy, shared: bool = shared, held: float = held) -> bool:
+                return held + self._active_gib(edge, s, shared) <= self.capacity
+
+            if not fits(none):
+                block = least_block_recompute(strategy, self.model, fits)
+                if block is not None:
+                    found.add(block)
+        return sorted(found, key=lambda s: s.recompute_layers)
+
+    def _active_gib(self, edge: int, strategy: Strategy, on_home: bool) -> float:
+        """GiB a non-home bucket's strategy adds while it runs (:func:`_active_bytes` at its
+        largest stage): on the home model with the home's DP buffers, else on its own."""
+        stages = self.evaluator(edge, self.base_rows, 0.0, not on_home).stage_bytes(strategy)
+        return max(map(_active_bytes, stages.values())) / GiB
+
+    def _memory(self, edge: int, strategy: Strategy, home: bool) -> tuple[float, float, bool]:
+        """(states, active GiB, fits) of an option. Memory per GPU takes each term at its
+        largest pipeline stage (model states, parameters, activations and buffers; a GPU's
+        stage differs from layout to layout), the home's peak at its peak stage; a non-home
+        layout holds its own bf16 weights and gradients beside the home's states."""
+        stages = self.evaluator(edge, self.base_rows, 0.0, not home).stage_bytes(strategy)
         states = max(map(_states_bytes, stages.values())) / GiB
         if home:
             active = max(sum(b.values()) for b in stages.values()) / GiB - states
@@ -880,16 +940,23 @@ class _Planner:
             active = max(map(_active_bytes, stages.values())) / GiB
         params = max(mem.stage_params(self.model, strategy))
         own = (self.e + GRAD_BYTES) * params / GiB
-        if (states if home else own) + active > self.capacity:
+        return states, active, (states if home else own) + active <= self.capacity
+
+    def _option(self, edge: int, strategy: Strategy, home: bool) -> _Option | None:
+        """The option's times and memory (:class:`_Option`, :meth:`_memory`); ``None`` when
+        it does not fit."""
+        away = not home
+        states, active, fits = self._memory(edge, strategy, home)
+        if not fits:
             return None
+        params = max(mem.stage_params(self.model, strategy))
         m = self.base_rows // rows_per_round(strategy)
         none = self.evaluator(edge, self.base_rows, 0.0, away).estimate(strategy)
         full = self.evaluator(edge, self.base_rows, 1.0, away).estimate(strategy)
         t0, t1 = ((pass_seconds(e) - fill_seconds(e)) / m for e in (none, full))
         times = (t0, t1, fill_seconds(none), fill_seconds(full))
         if away:
-            on_home = self.evaluator(edge, self.base_rows, 0.0).stage_bytes(strategy)
-            shared = max(map(_active_bytes, on_home.values())) / GiB
+            shared = self._active_gib(edge, strategy, on_home=True)
             return _Option(strategy, *times, active, 0.0, params, shared_active_gib=shared)
         slope = 0.0
         if strategy.zero == 2:  # ZeRO-2 reduce-scatters every micro-batch
@@ -1020,9 +1087,9 @@ class _Planner:
         """The best bucketed plan (home option, edge set, non-home options) whose cost,
         weighted by :meth:`weight`, is strictly under ``bound``, or ``None``."""
         seq_len = self.train.seq_len
-        homes = self.options(seq_len, home=True)
+        homes = self.options(seq_len)
         sets = self.edge_sets()
-        away = {e: self.options(e, home=False) for e in sorted({e for s in sets for e in s})}
+        away = {e: self.options(e, homes) for e in sorted({e for s in sets for e in s})}
         items = []
         for edge_set in sets:
             if any(not away[hi] for hi in edge_set):

@@ -99,22 +99,24 @@ def model_flops_per_step(model: ModelSpec, train: TrainSpec) -> float:
     return 3.0 * train.global_batch * s * per_token
 
 
-def recompute_flops_per_step(model: ModelSpec, train: TrainSpec, recompute: str) -> float:
+def recompute_flops_per_step(model: ModelSpec, train: TrainSpec, strategy: Strategy) -> float:
     """FLOPs that recompute runs again: full -> one more forward of every block (not the LM
-    head), giving planner.md's 96 B s l h^2 (1 + s/(6h) + V/(16 l h)); selective -> one
-    forward of the attention core, 4 B s^2 l a d_h. (Korthikanti's s/(3h) selective
-    formula counts the core's forward and backward again; we count what actually reruns.)"""
+    head), giving planner.md's 96 B s l h^2 (1 + s/(6h) + V/(16 l h)), of the blocks that
+    recompute under the block method; selective -> one forward of the attention core,
+    4 B s^2 l a d_h. (Korthikanti's s/(3h) selective formula counts the core's forward and
+    backward again; we count what actually reruns.)"""
     tokens = train.global_batch * train.seq_len
     attention = attention_flops_per_token(model, train.seq_len)
-    if recompute == "full":
-        return tokens * model.num_layers * (linear_flops_per_token(model) + attention)
-    if recompute == "selective":
+    if strategy.recompute == "full":
+        blocks = sum(map(strategy.recomputed_layers, stage_layers(model.num_layers, strategy)))
+        return tokens * blocks * (linear_flops_per_token(model) + attention)
+    if strategy.recompute == "selective":
         return tokens * model.num_layers * attention
     return 0.0
 
 
-def hardware_flops_per_step(model: ModelSpec, train: TrainSpec, recompute: str) -> float:
-    return model_flops_per_step(model, train) + recompute_flops_per_step(model, train, recompute)
+def hardware_flops_per_step(model: ModelSpec, train: TrainSpec, strategy: Strategy) -> float:
+    return model_flops_per_step(model, train) + recompute_flops_per_step(model, train, strategy)
 
 
 def total_params(model: ModelSpec) -> float:
@@ -181,10 +183,6 @@ class BlockCost:
     comm_bwd: float
     recompute_comm: float
     collectives: dict[str, float]
-
-    @property
-    def comm(self) -> float:
-        return self.comm_fwd + self.comm_bwd + self.recompute_comm
 
 
 @dataclass(frozen=True)
@@ -341,9 +339,9 @@ the per-tensor ``torch.norm`` of the local l2-norm fallback and its ``.item()``,
 Python of the grad hand-over (``_copy_model_grads_to_main_grads``)."""
 
 
-def layer_host_calls(ctx: _Context) -> tuple[int, int]:
+def layer_host_calls(ctx: _Context, again: bool) -> tuple[int, int]:
     """(TP collectives, ring/Cannon hop steps) one layer issues per micro-batch, forward +
-    backward (+ the recomputed forward under full recompute).
+    backward (+ the recomputed forward when the layer recomputes, ``again``).
 
     Megatron with SP: forward 2 all-gathers + 2 reduce-scatters, backward 2 all-gathers of
     the row linears' output gradient, 2 re-gathers and 2 reduce-scatters in the column
@@ -357,7 +355,6 @@ def layer_host_calls(ctx: _Context) -> tuple[int, int]:
     one P2P batch: 4 (2q + 3) (recompute +4 (q + 1)); no collective."""
     if ctx.t == 1:
         return 0, 0
-    again = ctx.strategy.recompute == "full"
     if ctx.mode == "ring":
         if ctx.fused_mlp:
             mlp_pass = 1 + ring_mlp_pieces(ctx.model, ctx.tokens, ctx.t)
@@ -387,13 +384,18 @@ def edge_host_calls(ctx: _Context, first: bool, last: bool) -> int:
 
 
 def stage_host(ctx: _Context, layers: int, first: bool, last: bool) -> float:
-    """Host seconds of one stage per micro-batch: ``layers`` x (``host_layer_s`` + its
-    collectives x ``host_collective_s`` + its hops x ``host_ring_hop_s``) + the edge calls.
-    Zero unless the calibration sets host constants (the local stack)."""
+    """Host seconds of one stage per micro-batch: ``layers`` x ``host_layer_s`` + each
+    layer's collectives x ``host_collective_s`` + its hops x ``host_ring_hop_s`` (more in the
+    layers that recompute) + the edge calls. Zero unless the calibration sets host constants
+    (the local stack)."""
     cal = ctx.cal
-    collectives, hops = layer_host_calls(ctx)
-    per_layer = cal.host_layer_s + collectives * cal.host_collective_s + hops * cal.host_ring_hop_s
-    return layers * per_layer + edge_host_calls(ctx, first, last) * cal.host_collective_s
+    again = ctx.strategy.recomputed_layers(layers)
+    calls = 0.0
+    for count, recomputes in ((again, True), (layers - again, False)):
+        collectives, hops = layer_host_calls(ctx, recomputes)
+        calls += count * (collectives * cal.host_collective_s + hops * cal.host_ring_hop_s)
+    edges = edge_host_calls(ctx, first, last) * cal.host_collective_s
+    return layers * cal.host_layer_s + calls + edges
 
 
 def stage_costs(ctx: _Context, block: BlockCost) -> list[StageCost]:
@@ -419,10 +421,15 @@ def stage_costs(ctx: _Context, block: BlockCost) -> list[StageCost]:
                 extra, extra_comm = extra + emb, extra_comm + first_comm
             if key[2]:
                 extra, extra_comm = extra + head, extra_comm + last_comm
+            # block.recompute* are per layer: selective reruns every layer's attention core
+            s = ctx.strategy
+            again = n if s.recompute == "selective" else s.recomputed_layers(n)
             made[key] = StageCost(
                 compute=n * (block.fwd + block.bwd) + extra.fwd + extra.bwd,
-                recompute=n * block.recompute,
-                tp_comm=n * block.comm + extra_comm,
+                recompute=again * block.recompute,
+                tp_comm=n * (block.comm_fwd + block.comm_bwd)
+                + again * block.recompute_comm
+                + extra_comm,
                 p2p=p2p,
                 fwd_window=n * block.fwd,
                 bwd_window=n * block.bwd,
@@ -585,12 +592,14 @@ def stage_memory(ctx: _Context, stage: int, psi: float) -> dict[str, float]:
         states = dataclasses.replace(
             states, grads=states.grads + mem.FP32 * model.vocab_size * model.hidden_size / ctx.t
         )
-    acts = ctx.activations
-    per_layer = mem.layer_activation_bytes(
-        acts, ctx.tokens, ctx.t, ctx.sharded, ctx.strategy.recompute
-    )
+    acts, strategy = ctx.activations, ctx.strategy
+    per_layer = mem.layer_activation_bytes(acts, ctx.tokens, ctx.t, ctx.sharded, strategy.recompute)
     layers = ctx.layers[stage]
     inflight = mem.inflight_layers(stage, layers, ctx.p, ctx.m, ctx.v)
+    kept = layers - strategy.recomputed_layers(layers)
+    if strategy.recompute == "full" and kept:  # block method: the other layers keep all
+        whole = mem.layer_activation_bytes(acts, ctx.tokens, ctx.t, ctx.sharded, "none")
+        per_layer += kept / layers * (whole - per_layer)
     activations = inflight * per_layer
     r = ctx.t if ctx.sharded else 1
     h = model.hidden_size
@@ -600,7 +609,7 @@ def stage_memory(ctx: _Context, stage: int, psi: float) -> dict[str, float]:
     # their loss (end of forward, and the head's backward), and under full recompute one
     # block's tensors at a time (the blocks' backward, after the head's): the larger of the two
     recomputed = 0.0
-    if ctx.strategy.recompute == "full":
+    if strategy.recomputed_layers(layers):
         recomputed = mem.layer_activation_bytes(acts, ctx.tokens, ctx.t, ctx.sharded, "none")
     head = head_bytes(ctx) if stage == ctx.p - 1 else 0.0
     activations += max(recomputed, head)
@@ -738,7 +747,7 @@ class Evaluator:
         per_gpu = step * strategy.layout.world_size
         peak_flops = cluster.gpu.peak_tflops * 1e12
         model_flops = model_flops_per_step(model, train)
-        hw_flops = hardware_flops_per_step(model, train, strategy.recompute)
+        hw_flops = hardware_flops_per_step(model, train, strategy)
         return Estimate(
             strategy=strategy,
             step_time_s=step,

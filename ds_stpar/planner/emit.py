@@ -358,7 +358,8 @@ def megatron_args(
 
     The switches a strategy does not carry come from :func:`rules.megatron_options`, the
     values the rules were checked with: full recompute as ``uniform`` with one layer per
-    checkpoint (every layer keeps only its input, the 2sbh of the memory table), selective
+    checkpoint (every layer keeps only its input, the 2sbh of the memory table), or as
+    ``block`` with the strategy's ``recompute_layers`` per stage (the others keep all), selective
     recompute with no method; the distributed optimizer for ZeRO >= 1; the overlap flags
     only with data parallelism, ``--overlap-param-gather`` only next to the distributed
     optimizer and ``--overlap-grad-reduce``. Sequence parallelism is dropped at t = 1.

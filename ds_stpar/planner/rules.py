@@ -61,7 +61,8 @@ class MegatronOptions:
 
 
 def megatron_options(train: TrainSpec, strategy: Strategy) -> MegatronOptions:
-    """What ds-stpar emits: full recompute as uniform, one layer per checkpoint; the
+    """What ds-stpar emits: full recompute as uniform, one layer per checkpoint, or with
+    ``recompute_layers`` as block, that many layers per stage; the
     distributed optimizer for ZeRO >= 1; overlapped grad reduction with DP and param gather
     with it and the distributed optimizer; the precision flag of the dtype;
     CUDA_DEVICE_MAX_CONNECTIONS=1 with TP."""
@@ -69,8 +70,8 @@ def megatron_options(train: TrainSpec, strategy: Strategy) -> MegatronOptions:
     d = strategy.layout.dp
     dist_opt = strategy.zero >= 1
     return MegatronOptions(
-        recompute_method="uniform" if full else None,
-        recompute_num_layers=1 if full else None,
+        recompute_method=("block" if strategy.recompute_layers else "uniform") if full else None,
+        recompute_num_layers=(strategy.recompute_layers or 1) if full else None,
         distributed_optimizer=dist_opt,
         overlap_grad_reduce=d > 1,
         overlap_param_gather=d > 1 and dist_opt,

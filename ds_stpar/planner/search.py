@@ -8,6 +8,10 @@ Enumeration (by construction, so every candidate passes :func:`rules.violations`
     x  recompute none / selective / full  x  micro-batch | B / dp (<= MAX_MICRO_BATCH)
     x  vpp_layers (0, or a divisor of the layers per stage when m % pp == 0)
 
+and, for each fitting full-recompute candidate without interleaving whose no-recompute twin
+does not fit, the block method with the fewest layers per stage recomputed that fits
+(:func:`least_block_recompute`): it spends what memory is left on skipping recompute.
+
 Layers that do not split over pp get one uneven split (lighter first and last stages, which
 also carry the embedding and LM head). A layout family is (tp, mode, pp, ZeRO); a family whose
 base breaks a rule is rejected with that rule's message, one whose model states alone exceed
@@ -19,12 +23,22 @@ none and only adds time, so it is skipped.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from ds_stpar.config import TP_MODES, ClusterSpec, GiB, Layout, ModelSpec, Strategy, TrainSpec
+from ds_stpar.config import (
+    TP_MODES,
+    ClusterSpec,
+    GiB,
+    Layout,
+    ModelSpec,
+    Strategy,
+    TrainSpec,
+    stage_layers,
+)
 from ds_stpar.errors import ConfigError
 from ds_stpar.planner import memory as mem
 from ds_stpar.planner import rules
@@ -145,6 +159,28 @@ def knob_grid(layout: Layout, flash: bool) -> Iterator[tuple[bool, str, bool]]:
                 yield sp, rc, fused
 
 
+def least_block_recompute(
+    strategy: Strategy, model: ModelSpec, fits: Callable[[Strategy], bool]
+) -> Strategy | None:
+    """``strategy`` (full recompute, no interleaving) under the block method with the fewest
+    layers per stage recomputed that still ``fits``: each layer recomputed keeps only its
+    input, so memory falls as k grows and time rises with it, and the least k that fits is
+    the fastest. ``None`` when even one layer short of the smallest stage does not fit (only
+    full recompute does; Megatron-LM takes at most the smallest stage's layers, rule 10).
+    A binary search: about log2(layers per stage) memory checks."""
+    hi = min(stage_layers(model.num_layers, strategy)) - 1
+    if hi < 1 or not fits(dataclasses.replace(strategy, recompute_layers=hi)):
+        return None
+    lo = 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(dataclasses.replace(strategy, recompute_layers=mid)):
+            hi = mid
+        else:
+            lo = mid + 1
+    return dataclasses.replace(strategy, recompute_layers=lo)
+
+
 def _vpp_options(fam: _Family, model: ModelSpec, m: int) -> list[int]:
     """0 and every proper divisor of the layers per stage when interleaving is allowed
     (rules 3-5; even stages only, as planner/emit.py requires)."""
@@ -212,6 +248,23 @@ class _Search:
         if self.closest is None or peak < self.closest[0]:
             self.closest = (peak, strategy)
 
+    def peak(self, strategy: Strategy) -> float:
+        return sum(self.ev.memory(strategy)[1].values())
+
+    def block_recompute(self, strategy: Strategy) -> Strategy | None:
+        """The fastest block-method variant of a fitting full-recompute ``strategy``
+        (:func:`least_block_recompute`), unless no recompute fits already."""
+        if strategy.recompute != "full" or strategy.vpp_layers:
+            return None
+        if self.peak(dataclasses.replace(strategy, recompute="none")) <= self.capacity:
+            return None
+
+        def fits(candidate: Strategy) -> bool:
+            self.considered += 1
+            return self.peak(candidate) <= self.capacity
+
+        return least_block_recompute(strategy, self.model, fits)
+
     def run_family(self, fam: _Family) -> None:
         batch, dp = self.train.global_batch, fam.layout.dp
         if batch % dp:
@@ -252,14 +305,16 @@ class _Search:
                         fused_ring_mlp=fused,
                     )
                     self.considered += 1
-                    _, breakdown = self.ev.memory(strategy)
-                    peak = sum(breakdown.values())
+                    peak = self.peak(strategy)
                     if peak > self.capacity:
                         smallest = min(smallest, peak)
                         self.note_miss(strategy, peak)
                         continue
                     any_fit = fitted = True
                     self.keep(self.ev.estimate(strategy))
+                    block = self.block_recompute(strategy)
+                    if block is not None:
+                        self.keep(self.ev.estimate(block))
                 if not any_fit:
                     break  # a larger micro-batch needs more memory still
         if not fitted:

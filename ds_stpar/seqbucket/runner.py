@@ -569,12 +569,14 @@ class BucketRunner:
 
     @staticmethod
     def _set_recompute(model: LayoutModel, strategy: Strategy) -> None:
-        """The bucket's recompute on its (possibly shared) megatron-core model; selective
-        recompute is fixed when the model is built (its model_key is its own)."""
+        """The bucket's recompute on its (possibly shared) megatron-core model: none, full of
+        every layer, or full of the first ``recompute_layers`` of this rank's stage (the block
+        method), read by megatron-core's block at every forward; selective recompute is fixed
+        when the model is built (its model_key is its own)."""
         if strategy.recompute != "selective":
             from ds_stpar.integrations.megatron import set_full_recompute
 
-            set_full_recompute(model.module.config, strategy.recompute)
+            set_full_recompute(model.module.config, strategy.recompute, strategy.recompute_layers)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
