@@ -901,9 +901,10 @@ class _Planner:
             )
             return [block] if block is not None else []
         own = (self.e + GRAD_BYTES) * max(mem.stage_params(self.model, strategy)) / GiB
+        key = model_key(strategy)
         beside = set()
         for h in homes:
-            if model_key(strategy) == h.key:
+            if key == h.key:
                 beside.add((True, round(h.states_gib, 6)))
                 continue
             carry = GRAD_BYTES * h.params / GiB
