@@ -93,27 +93,33 @@ def make_plan(name: str, cmd: list[str], out: str) -> dict:
 
 def config_report(path: str) -> dict:
     """The bucket report of a ds_stpar.json written by ``ds-stpar plan --out``: its buckets'
-    edges and strategies and the prediction it records."""
+    edges and strategies and the prediction it records (with each bucket's time and tokens
+    per step where the file has them, as files written since the fifteenth session do, for
+    the steps-run prediction and the per-bucket table)."""
     from ds_stpar.config import Strategy
 
     with open(path) as handle:
         section = json.load(handle)["ds_stpar"]
     predicted = section["extra"]["predicted"]
+    kept = ("peak_memory_gib", "time_s", "switch_s", "tokens_per_step")
     buckets = [
         {
             "edge": b["max_len"],
             "short": Strategy.from_dict(b["strategy"]).short(),
-            "peak_memory_gib": p["peak_memory_gib"],
+            **{key: p[key] for key in kept if key in p},
         }
         for b, p in zip(section["buckets"], predicted["buckets"], strict=True)
     ]
-    return {
+    report = {
         "config": path,
         "edges": [b["edge"] for b in buckets],
         "bucketed_step_s": predicted["step_time_s"],
         "switch_s": predicted["switch_s"],
         "buckets": buckets,
     }
+    if all("tokens_per_step" in b for b in buckets) and "update_s" in predicted:
+        report["update_s"] = predicted["update_s"]
+    return report
 
 
 def layouts(report: dict) -> str:

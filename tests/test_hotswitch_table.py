@@ -1,8 +1,11 @@
-"""bench/hotswitch.py's per-bucket table: microseconds per token, predicted against measured,
-on hand-made metrics whose answer is counted by hand."""
+"""bench/hotswitch.py's tables: microseconds per token, predicted against measured, and the
+speedups over a named baseline, on hand-made metrics whose answer is counted by hand; a plan
+file's report as the steps-run prediction reads it."""
 
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
@@ -67,3 +70,22 @@ def test_table_takes_the_speedups_over_the_named_baseline() -> None:
     assert planned[2] == "planned" and planned[11:14] == ["1.200x", "1.200x", "1.500x"]
     dp2 = [cell.strip() for cell in lines[4].split("|")]
     assert dp2[11:14] == ["1.000x", "1.000x", "1.000x"]
+
+
+def test_a_written_plan_reports_its_buckets_for_the_steps_run_prediction(tmp_path) -> None:
+    # a plan file written by `ds-stpar plan --data --out` records each bucket's time and
+    # tokens per step and the home's update: fed its own expected tokens, the steps-run
+    # prediction is the plan's predicted step (sum of bucket times, switches and update)
+    from ds_stpar.cli import main
+    from ds_stpar.seqbucket.corpus import write_jsonl
+
+    lengths = [150] * 60 + [800] * 12 + [2000] * 4
+    write_jsonl(({"text": "x" * n} for n in lengths), tmp_path / "docs.jsonl")
+    argv = ["plan", "--model", "gpt3-125m", "--gpus", "2", "--seq-len", "2048"]
+    argv += ["--global-batch", "16", "--data", str(tmp_path / "docs.jsonl")]
+    assert main([*argv, "--min-buckets", "2", "--out", str(tmp_path / "plan")]) == 0
+    report = hotswitch.config_report(str(tmp_path / "plan" / "ds_stpar.json"))
+    assert len(report["buckets"]) == 2
+    expected = {str(b["edge"]): b["tokens_per_step"] for b in report["buckets"]}
+    run = hotswitch.steps_run_prediction(report, {"bucket_tokens": expected})
+    assert run == pytest.approx(report["bucketed_step_s"], rel=1e-9)

@@ -809,6 +809,7 @@ def bucketed_deepspeed_config(
                 key: getattr(b, key)
                 for key in (
                     "edge",
+                    "tokens_per_step",
                     "rows",
                     "micro_batches",
                     "time_s",
