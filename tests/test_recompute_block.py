@@ -16,7 +16,10 @@ single-threaded (the workers set one thread), so the recomputed activations, hen
 gradient kernels' inputs, equal the stored ones; the only sums autograd might order
 differently are accumulations into one parameter's gradient, and each parameter here gets one
 contribution per backward, or two for the megatron model's tied embedding and head (a sum of
-two terms commutes exactly). Measured: equal. A recompute mode silently ignored would pass
+two terms commutes exactly). Measured: equal. (On a GPU machine the megatron-core model
+runs on the GPU, whose kernels may sum in another order from run to run: there the check is
+fp32 rounding, rtol 1e-5 on the loss and 1e-4 on the gradients.) A recompute mode silently
+ignored would pass
 that too, so the runs also count each layer's forward calls: layers below k run twice (the
 forward and the recompute in backward), the others once.
 """
