@@ -113,6 +113,22 @@ def test_recompute_fields_and_transformer_config() -> None:
 # --------------------------------------------------------------------------------------
 
 
+def _assert_same(what: str, loss: torch.Tensor, grads: dict, ref: tuple, exact: bool) -> None:
+    """The loss and every gradient equal the first run's: bit for bit (``exact``, on the CPU:
+    module docstring), else within fp32 rounding (GPU kernels may sum in another order from
+    run to run: rtol 1e-5 on the loss, 1e-4 on the gradients)."""
+    assert grads.keys() == ref[1].keys()
+    if not exact:
+        torch.testing.assert_close(loss, ref[0], rtol=1e-5, atol=0)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, ref[1][name], rtol=1e-4, atol=1e-6, msg=name)
+        return
+    assert torch.equal(loss, ref[0]), (what, loss.item(), ref[0].item())
+    for name, grad in grads.items():
+        diff = (grad - ref[1][name]).abs().max().item()
+        assert torch.equal(grad, ref[1][name]), f"{what}: {name} differs by {diff:.3g}"
+
+
 def _megatron_runs(rank: int, world: int) -> None:
     from ds_stpar.config import model_key
     from ds_stpar.integrations.megatron import head_weight
@@ -169,17 +185,7 @@ def _megatron_runs(rank: int, world: int) -> None:
         if ref is None:
             ref = loss.detach(), grads
             continue
-        what = strategy.short()
-        assert grads.keys() == ref[1].keys()
-        if device.type == "cpu":
-            assert torch.equal(loss.detach(), ref[0]), (what, loss.item(), ref[0].item())
-            for name, grad in grads.items():
-                diff = (grad - ref[1][name]).abs().max().item()
-                assert torch.equal(grad, ref[1][name]), f"{what}: {name} differs by {diff:.3g}"
-        else:  # GPU kernels may sum in another order from run to run: fp32 rounding apart
-            torch.testing.assert_close(loss.detach(), ref[0], rtol=1e-5, atol=0)
-            for name, grad in grads.items():
-                torch.testing.assert_close(grad, ref[1][name], rtol=1e-4, atol=1e-6, msg=name)
+        _assert_same(strategy.short(), loss.detach(), grads, ref, exact=device.type == "cpu")
 
 
 @pytest.mark.dist
@@ -246,11 +252,7 @@ def _hf_runs(rank: int, world: int) -> None:
         if ref is None:
             ref = loss.detach(), grads
             continue
-        what = strategy.short()
-        assert torch.equal(loss.detach(), ref[0]), (what, loss.item(), ref[0].item())
-        for name, grad in grads.items():
-            diff = (grad - ref[1][name]).abs().max().item()
-            assert torch.equal(grad, ref[1][name]), f"{what}: {name} differs by {diff:.3g}"
+        _assert_same(strategy.short(), loss.detach(), grads, ref, exact=True)
 
     # decoder layers that transformers does not checkpoint one by one (here: the Llama
     # layers inside plain modules) refuse k short of all of them
