@@ -940,3 +940,28 @@ def test_block_recompute_beside_a_home_recomputes_the_fewest_layers_that_fit():
                 if peak <= capacity and less is not None:
                     least |= planner.bucket_peaks_gib(h, [less])[0] + carry > capacity
         assert least, o.strategy.short()
+
+
+def test_each_bucket_packs_alone_as_in_a_step_packed_at_once():
+    # the planner packs each bucket's pieces of the simulated steps once and shares it among
+    # edge sets; that equals packing every drawn step into all buckets at once
+    # (pack_buckets over the step, the bucket's rows counted), row for row
+    rng = np.random.default_rng(3)
+    lengths = np.concatenate([rng.integers(1, 1024, 3000), rng.integers(1024, SEQ, 300)])
+    pieces = bk.Pieces.of(lengths, SEQ)
+    edges = (1024, 4096, SEQ)
+    draws = bk.draw_steps(pieces, 1 << 20, 0, edges)
+    for i, (lo, hi) in enumerate(zip((0, *edges[:-1]), edges)):
+        rows = square = tokens = 0
+        for draw in draws:
+            step = [Piece(n, 0, int(n), True) for n in draw]
+            for row in pack_buckets(step, edges)[i]:
+                rows += 1
+                square += sum(p.length**2 for p in row.pieces)
+                tokens += row.num_tokens
+        assert bk.bucket_packing(draws, lo, hi) == (rows, square, tokens)
+        assert rows > 0
+    planner = bk._Planner(
+        pieces, MODEL, H100x2, TRAIN, edges, 3, ("megatron",), False, None, 0, 0.01
+    )
+    assert planner.stats(edges[:-1]) == bk.pack_stats(pieces, edges, TRAIN.tokens_per_step)

@@ -131,7 +131,7 @@ import functools
 import heapq
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -253,53 +253,86 @@ class PackStats:
         return self.tokens_per_step / (self.hi * self.efficiency)
 
 
+def draw_steps(
+    pieces: Pieces, tokens_per_step: int, seed: int, strata: Sequence[int]
+) -> tuple[np.ndarray, ...]:
+    """The piece lengths of simulated steps, drawn stratified by length (:func:`pack_stats`):
+    a step holds ``n_r = T x pieces_r / tokens`` pieces of each range ``r`` of ``strata``
+    (increasing, the last the context) on average, rounded up or down at random to keep that
+    mean, drawn with replacement from the range's pieces (seeded by ``seed`` alone), at most
+    :data:`PACK_PIECES` in all (a larger step draws that share of each range); as many steps
+    as draw about :data:`PACK_DRAWN` pieces (at most :data:`MAX_PACK_GROUPS`)."""
+    spans = [pieces.span(lo, hi) for lo, hi in zip((0, *strata[:-1]), strata)]
+    per_step = np.array([(j - i) for i, j in spans]) * tokens_per_step / pieces.num_tokens
+    per_step *= min(1.0, PACK_PIECES / per_step.sum())
+    groups = min(MAX_PACK_GROUPS, max(1, round(PACK_DRAWN / max(per_step.sum(), 1.0))))
+    rng = np.random.default_rng(seed)
+    draws = []
+    for _ in range(groups):
+        counts = np.floor(per_step + rng.random(len(spans))).astype(np.int64)
+        draws.append(
+            np.concatenate(
+                [
+                    pieces.lengths[rng.integers(i, j, size=c)]
+                    for (i, j), c in zip(spans, counts)
+                    if c
+                ]
+                or [np.zeros(0, dtype=np.int64)]
+            )
+        )
+    return tuple(draws)
+
+
+def bucket_packing(draws: Sequence[np.ndarray], lo: int, hi: int) -> tuple[int, int, int]:
+    """(rows, sum of squared piece lengths, tokens) of the pieces of ``draws`` in ``(lo, hi]``
+    packed best-fit-decreasing into rows of ``hi`` (:func:`pack_buckets`), summed over the
+    steps. A bucket packs its own pieces only, so this is the same in every edge set that
+    has the bucket: :class:`_Planner` computes it once per bucket."""
+    rows = square = packed = 0
+    for draw in draws:
+        own = draw[(draw > lo) & (draw <= hi)]
+        if not own.size:
+            continue
+        (bucket_rows,) = pack_buckets([Piece(n, 0, int(n), True) for n in own], (hi,))
+        rows += len(bucket_rows)
+        for row in bucket_rows:
+            square += sum(p.length**2 for p in row.pieces)
+            packed += row.num_tokens
+    return rows, square, packed
+
+
 def pack_stats(
     pieces: Pieces,
     edges: Sequence[int],
     tokens_per_step: int,
     seed: int = 0,
     strata: Sequence[int] | None = None,
+    packing: Callable[[int, int], tuple[int, int, int]] | None = None,
 ) -> tuple[PackStats, ...]:
     """Measure the packing of a step into buckets ``edges`` (increasing, the last the
     context), one :class:`PackStats` per bucket (module docstring, "Rows per step").
 
-    Simulated steps are drawn stratified by length: a step holds ``n_r = T x pieces_r /
-    tokens`` pieces of each range ``r`` of ``strata`` (default ``edges``; increasing, the
-    last the context) on average, rounded up or down at random to keep that mean, drawn with
-    replacement from the range's pieces (seeded by ``seed`` alone: with the same strata,
-    every edge set packs the same draws), at most :data:`PACK_PIECES` in all (a larger step
-    packs that share of each range). They are packed with
-    :func:`~ds_stpar.seqbucket.packing.pack_buckets`, as many steps as draw about
-    :data:`PACK_DRAWN` pieces (at most :data:`MAX_PACK_GROUPS`). Each bucket packs its own
+    Simulated steps (:func:`draw_steps` over ``strata``, default ``edges``: with the same
+    strata, every edge set packs the same draws) are packed with
+    :func:`~ds_stpar.seqbucket.packing.pack_buckets` (:func:`bucket_packing`, or
+    ``packing(lo, hi)``, the same for those draws, e.g. cached). Each bucket packs its own
     pieces, so it carries ``T_i = T share_i`` tokens per step, ``share_i`` the exact share of
     its pieces in the dataset's tokens; the draws give its efficiency and attention ratio. A
     bucket whose rows the draws never opened: efficiency and attention ratio 1.
     """
     edges = tuple(int(e) for e in edges)
-    strata = tuple(int(e) for e in (strata or edges))
-    spans = [pieces.span(lo, hi) for lo, hi in zip((0, *strata[:-1]), strata)]
-    per_step = np.array([(j - i) for i, j in spans]) * tokens_per_step / pieces.num_tokens
-    per_step *= min(1.0, PACK_PIECES / per_step.sum())
-    groups = min(MAX_PACK_GROUPS, max(1, round(PACK_DRAWN / max(per_step.sum(), 1.0))))
-    rng = np.random.default_rng(seed)
-    k = len(edges)
-    rows, square, packed = np.zeros(k), np.zeros(k), np.zeros(k)
-    for _ in range(groups):
-        counts = np.floor(per_step + rng.random(len(spans))).astype(np.int64)
-        draw = np.concatenate(
-            [pieces.lengths[rng.integers(i, j, size=c)] for (i, j), c in zip(spans, counts) if c]
-            or [np.zeros(0, dtype=np.int64)]
-        )
-        step = [Piece(n, 0, int(n), True) for n in draw]
-        for i, bucket_rows in enumerate(pack_buckets(step, edges)):
-            rows[i] += len(bucket_rows)
-            for row in bucket_rows:
-                square[i] += sum(p.length**2 for p in row.pieces)
-                packed[i] += row.num_tokens
+    if packing is None:
+        strata = tuple(int(e) for e in (strata or edges))
+        draws = draw_steps(pieces, tokens_per_step, seed, strata)
+
+        def packing(lo: int, hi: int) -> tuple[int, int, int]:
+            return bucket_packing(draws, lo, hi)
+
     out = []
-    for i, (lo, hi) in enumerate(zip((0, *edges[:-1]), edges)):
+    for lo, hi in zip((0, *edges[:-1]), edges):
         documents, tokens = pieces.count(lo, hi)
-        opened = rows[i] * hi
+        rows, square, packed = packing(lo, hi)
+        opened = rows * hi
         out.append(
             PackStats(
                 lo=lo,
@@ -307,8 +340,8 @@ def pack_stats(
                 documents=documents,
                 tokens=tokens,
                 tokens_per_step=tokens_per_step * tokens / pieces.num_tokens,
-                efficiency=float(packed[i] / opened) if opened else 1.0,
-                attention_ratio=float(square[i] / (opened * hi)) if opened else 1.0,
+                efficiency=float(packed / opened) if opened else 1.0,
+                attention_ratio=float(square / (opened * hi)) if opened else 1.0,
             )
         )
     return tuple(out)
@@ -814,6 +847,8 @@ class _Planner:
             n: switch_buffer_bytes(specs, n) / GiB for n in {self.e, GRAD_BYTES}
         }
         self._stats: dict[tuple[int, ...], tuple[PackStats, ...]] = {}
+        self._draws: tuple[np.ndarray, ...] | None = None
+        self._packings: dict[tuple[int, int], tuple[int, int, int]] = {}
         self._ranked: dict[tuple[tuple[int, ...], int], list[tuple[float, _Option]]] = {}
         self._evaluators: dict[tuple, Evaluator] = {}
         self._home: dict[tuple[_Option, tuple[int, ...]], Timing] = {}
@@ -825,9 +860,18 @@ class _Planner:
         if edge_set not in self._stats:
             edges = (*edge_set, self.train.seq_len)
             self._stats[edge_set] = pack_stats(
-                self.pieces, edges, self.tokens, self.seed, strata=self.edges
+                self.pieces, edges, self.tokens, packing=self.bucket_packing
             )
         return self._stats[edge_set]
+
+    def bucket_packing(self, lo: int, hi: int) -> tuple[int, int, int]:
+        """:func:`bucket_packing` of the planner's draws (stratified by its candidate edges),
+        once per bucket: the edge sets share their buckets' packings."""
+        if self._draws is None:
+            self._draws = draw_steps(self.pieces, self.tokens, self.seed, self.edges)
+        if (lo, hi) not in self._packings:
+            self._packings[lo, hi] = bucket_packing(self._draws, lo, hi)
+        return self._packings[lo, hi]
 
     def train_at(self, edge: int, rows: int) -> TrainSpec:
         return dataclasses.replace(self.train, seq_len=edge, global_batch=rows)
