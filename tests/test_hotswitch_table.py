@@ -72,10 +72,9 @@ def test_table_takes_the_speedups_over_the_named_baseline() -> None:
     assert dp2[11:14] == ["1.000x", "1.000x", "1.000x"]
 
 
-def test_a_written_plan_reports_its_buckets_for_the_steps_run_prediction(tmp_path) -> None:
-    # a plan file written by `ds-stpar plan --data --out` records each bucket's time and
-    # tokens per step and the home's update: fed its own expected tokens, the steps-run
-    # prediction is the plan's predicted step (sum of bucket times, switches and update)
+def _written_plan(tmp_path: Path) -> Path:
+    """A two-bucket plan of gpt3-125m written by `ds-stpar plan --data --out` (its corpus:
+    ``tmp_path / "docs.jsonl"``)."""
     from ds_stpar.cli import main
     from ds_stpar.seqbucket.corpus import write_jsonl
 
@@ -84,8 +83,27 @@ def test_a_written_plan_reports_its_buckets_for_the_steps_run_prediction(tmp_pat
     argv = ["plan", "--model", "gpt3-125m", "--gpus", "2", "--seq-len", "2048"]
     argv += ["--global-batch", "16", "--data", str(tmp_path / "docs.jsonl")]
     assert main([*argv, "--min-buckets", "2", "--out", str(tmp_path / "plan")]) == 0
-    report = hotswitch.config_report(str(tmp_path / "plan" / "ds_stpar.json"))
+    return tmp_path / "plan" / "ds_stpar.json"
+
+
+def test_a_written_plan_reports_its_buckets_for_the_steps_run_prediction(tmp_path) -> None:
+    # a plan file written by `ds-stpar plan --data --out` records each bucket's time and
+    # tokens per step and the home's update: fed its own expected tokens, the steps-run
+    # prediction is the plan's predicted step (sum of bucket times, switches and update)
+    report = hotswitch.config_report(str(_written_plan(tmp_path)))
     assert len(report["buckets"]) == 2
     expected = {str(b["edge"]): b["tokens_per_step"] for b in report["buckets"]}
     run = hotswitch.steps_run_prediction(report, {"bucket_tokens": expected})
     assert run == pytest.approx(report["bucketed_step_s"], rel=1e-9)
+
+
+def test_a_baseline_that_is_not_a_plan_of_the_call_is_refused_before_any_run(
+    tmp_path, capsys
+) -> None:
+    path = _written_plan(tmp_path)
+    argv = ["--plans", "", "--config", f"planned={path}", "--data", str(tmp_path / "docs.jsonl")]
+    with pytest.raises(SystemExit) as exit_info:
+        hotswitch.main([*argv, "--out", str(tmp_path / "runs")])  # the default: static
+    assert exit_info.value.code == 2
+    assert "--baseline static: not among the plans ['planned']" in capsys.readouterr().err
+    assert not (tmp_path / "runs" / "planned").exists()  # nothing launched

@@ -935,16 +935,13 @@ class _Planner:
         weights and gradients, with or without the home's gradient carry (held from a bucket
         before it) -- so that each home finds the fastest that fits beside it."""
         if strategy.recompute != "full":
-            return []
-        none = dataclasses.replace(strategy, recompute="none")
+            return []  # (least_block_recompute says so too, but after the loop over homes)
         if homes is None:
-            if self._memory(edge, none, True)[2]:
-                return []
             block = least_block_recompute(
                 strategy, self.model, lambda s: self._memory(edge, s, True)[2]
             )
             return [block] if block is not None else []
-        own = (self.e + GRAD_BYTES) * max(mem.stage_params(self.model, strategy)) / GiB
+        own = self._own_gib(strategy)
         key = model_key(strategy)
         beside = set()
         for h in homes:
@@ -960,11 +957,14 @@ class _Planner:
             def fits(s: Strategy, shared: bool = shared, held: float = held) -> bool:
                 return held + self._active_gib(edge, s, shared) <= self.capacity
 
-            if not fits(none):
-                block = least_block_recompute(strategy, self.model, fits)
-                if block is not None:
-                    found.add(block)
+            block = least_block_recompute(strategy, self.model, fits)
+            if block is not None:
+                found.add(block)
         return sorted(found, key=lambda s: s.recompute_layers)
+
+    def _own_gib(self, strategy: Strategy) -> float:
+        """A non-home layout's own bf16 weights and gradient accumulators (its largest stage)."""
+        return (self.e + GRAD_BYTES) * max(mem.stage_params(self.model, strategy)) / GiB
 
     def _active_gib(self, edge: int, strategy: Strategy, on_home: bool) -> float:
         """GiB a non-home bucket's strategy adds while it runs (:func:`_active_bytes` at its
@@ -983,9 +983,11 @@ class _Planner:
             active = max(sum(b.values()) for b in stages.values()) / GiB - states
         else:  # a non-home layout runs no optimizer step: its transient memory is not counted
             active = max(map(_active_bytes, stages.values())) / GiB
-        params = max(mem.stage_params(self.model, strategy))
-        own = (self.e + GRAD_BYTES) * params / GiB
-        return states, active, (states if home else own) + active <= self.capacity
+        return (
+            states,
+            active,
+            (states if home else self._own_gib(strategy)) + active <= self.capacity,
+        )
 
     def _option(self, edge: int, strategy: Strategy, home: bool) -> _Option | None:
         """The option's times and memory (:class:`_Option`, :meth:`_memory`); ``None`` when

@@ -165,9 +165,14 @@ def least_block_recompute(
     """``strategy`` (full recompute, no interleaving) under the block method with the fewest
     layers per stage recomputed that still ``fits``: each layer recomputed keeps only its
     input, so memory falls as k grows and time rises with it, and the least k that fits is
-    the fastest. ``None`` when even one layer short of the smallest stage does not fit (only
-    full recompute does; Megatron-LM takes at most the smallest stage's layers, rule 10).
-    A binary search: about log2(layers per stage) memory checks."""
+    the fastest. ``None`` for another recompute or an interleaved pipeline, when no recompute
+    fits already (nothing to spend memory on), or when even one layer short of the smallest
+    stage does not fit (only full recompute does; Megatron-LM takes at most the smallest
+    stage's layers, rule 10). A binary search: about log2(layers per stage) memory checks."""
+    if strategy.recompute != "full" or strategy.vpp_layers:
+        return None
+    if fits(dataclasses.replace(strategy, recompute="none")):
+        return None
     hi = min(stage_layers(model.num_layers, strategy)) - 1
     if hi < 1 or not fits(dataclasses.replace(strategy, recompute_layers=hi)):
         return None
@@ -252,15 +257,12 @@ class _Search:
         return sum(self.ev.memory(strategy)[1].values())
 
     def block_recompute(self, strategy: Strategy) -> Strategy | None:
-        """The fastest block-method variant of a fitting full-recompute ``strategy``
-        (:func:`least_block_recompute`), unless no recompute fits already."""
-        if strategy.recompute != "full" or strategy.vpp_layers:
-            return None
-        if self.peak(dataclasses.replace(strategy, recompute="none")) <= self.capacity:
-            return None
+        """The fastest block-method variant of a fitting ``strategy``
+        (:func:`least_block_recompute`); each block variant checked counts as considered
+        (the no-recompute twin was counted where it was enumerated)."""
 
         def fits(candidate: Strategy) -> bool:
-            self.considered += 1
+            self.considered += candidate.recompute_layers > 0
             return self.peak(candidate) <= self.capacity
 
         return least_block_recompute(strategy, self.model, fits)
