@@ -36,6 +36,10 @@ Variants (named for any P; before P was general they were ``megatron-tp2-sp`` an
 - ``ring-linear``: fc1 and fc2 as two separate ring layers (the per-linear ring, as
   ``apply_stpar`` puts it into HF models; the layer from the spec with
   ``fused_ring_mlp=False``).
+- ``ring-interleaved``: layer only. ``get_gpt_layer_stpar_spec("ring", interleave=True)``:
+  :class:`~ds_stpar.layers.interleave.InterleavedTransformerLayer` runs the two batch halves
+  (T / seq sequences, so T >= 2 seq) interleaved, each half's gathers and reductions on the
+  ring's P2P stream behind the other half's attention or MLP; the linears' GEMMs run locally.
 - ``cannon``: the same layers with tp_mode="cannon" (a q x q torus, P = q*q; "n/a (P not a
   square)" for P = 2, 8). Same boundary layouts as Megatron SP (column [s/P, b, K] ->
   [s, b, N/P], row [s, b, K/P] -> [s/P, b, N]); the re-layouts to and from the torus blocks
@@ -106,17 +110,19 @@ VARIANTS = (
     "async-tp",
     "ring",
     "ring-linear",
+    "ring-interleaved",
     "cannon",
     "one-gpu",
 )
 REFERENCE = "megatron-sp"
 # compared with REFERENCE before timing (no-comm computes a different function); async-tp last
-CHECKED = ("megatron", "ring", "ring-linear", "cannon", "one-gpu", "async-tp")
+CHECKED = ("megatron", "ring", "ring-linear", "ring-interleaved", "cannon", "one-gpu", "async-tp")
 SEQUENCE_PARALLEL = (
     "megatron-sp",
     "async-tp",
     "ring",
     "ring-linear",
+    "ring-interleaved",
     "cannon",
 )  # input [s/P, b, h]
 ALIASES = {"megatron-tp2-sp": "megatron-sp", "megatron-tp2": "megatron"}  # the P=2 names
@@ -325,6 +331,7 @@ class Runtime:
     pool: int
     label: str
     ring_piecing: dict[str, float]  # ring_mlp's pieces / min_piece_flop (unset: its defaults)
+    trace_dir: str | None = None  # --trace-dir: one traced step per variant there
 
     @property
     def cuda(self) -> bool:
@@ -584,7 +591,8 @@ def _pg_collection(tp_group: dist.ProcessGroup):
 
 
 def _tp_mode(variant: str) -> str:
-    return {"ring": "ring", "ring-linear": "ring", "cannon": "cannon"}.get(variant, "megatron")
+    ring = ("ring", "ring-linear", "ring-interleaved")
+    return "ring" if variant in ring else "cannon" if variant == "cannon" else "megatron"
 
 
 def build_mlp(variant: str, case: Case, rt: Runtime, async_name: str | None) -> Built:
@@ -655,7 +663,12 @@ def build_layer(variant: str, case: Case, rt: Runtime) -> Built:
         cfg = _config(case, rt.size, mode, sp)
         group = rt.tp_group
     layer = build_module(
-        get_gpt_layer_stpar_spec(mode, group, fused_ring_mlp=variant != "ring-linear"),
+        get_gpt_layer_stpar_spec(
+            mode,
+            group,
+            fused_ring_mlp=variant != "ring-linear",
+            interleave=variant == "ring-interleaved",
+        ),
         config=cfg,
         layer_number=1,
         pg_collection=_pg_collection(group),
@@ -824,6 +837,10 @@ def not_applicable(variant: str, case: Case, rt: Runtime, async_name: str | None
     """Why ``variant`` cannot run on this case / group, or None."""
     if variant == "async-tp" and case.block == "layer":
         return "MLP only"
+    if variant == "ring-interleaved" and case.block == "mlp":
+        return "layer only"
+    if variant == "ring-interleaved" and case.batch % 2:
+        return "odd batch"
     if variant == "async-tp" and async_name is None:
         return "unavailable"
     if variant == "cannon" and not rt.square:
@@ -911,6 +928,10 @@ def time_variant(variant: str, case: Case, rt: Runtime, async_name, full) -> Row
         times = rt.time_ms(lambda i: run_step(built, xs[i % rt.pool], dys[i % rt.pool]))
         rt.sync()
         peak = rt.peak() - base
+        if rt.trace_dir:
+            trace_step(
+                built, xs[0], dys[0], rt, f"{case.block}-{case.hidden}-{case.tokens}-{variant}"
+            )
     except Exception as err:
         traceback.print_exc()
         ok, note = False, f"{type(err).__name__}: {err}"[:300]
@@ -922,6 +943,18 @@ def time_variant(variant: str, case: Case, rt: Runtime, async_name, full) -> Row
     median, peak_max = rt.reduce([statistics.median(times), peak / 2**30])
     row.ms, row.peak_gib, row.times_ms = median, peak_max if rt.cuda else None, times
     return row
+
+
+def trace_step(built: Built, x: Tensor, dy: Tensor, rt: Runtime, name: str) -> None:
+    """One more step under torch.profiler (CUDA activity only, as launch/pretrain.py's
+    --trace-step): ``<trace_dir>/<label>-<name>-rank-R.json.gz`` for bench/timeline.py."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run_step(built, x, dy)
+        rt.sync()
+    os.makedirs(rt.trace_dir, exist_ok=True)
+    prof.export_chrome_trace(
+        os.path.join(rt.trace_dir, f"{rt.label}-{name}-rank-{rt.rank}.json.gz")
+    )
 
 
 def ring_overlap(case: Case, rt: Runtime, async_name: str | None, full) -> dict:
@@ -1053,6 +1086,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--timeout", type=int, default=180, help="seconds before a hung NCCL op aborts"
     )
+    parser.add_argument(
+        "--trace-dir",
+        default=None,
+        help="after timing each variant, trace one more step into this folder (bench/timeline.py)",
+    )
     parser.add_argument("--cpu", action="store_true", help="gloo on CPU (smoke test only)")
     args = parser.parse_args(argv)
     if min(args.repeats, args.pool, args.seq, args.head_dim) < 1 or args.warmup < 0:
@@ -1112,6 +1150,7 @@ def init_runtime(args: argparse.Namespace) -> Runtime:
         repeats=args.repeats,
         pool=args.pool,
         label=args.label,
+        trace_dir=args.trace_dir,
         ring_piecing={
             key: value
             for key, value in (

@@ -9,9 +9,11 @@ untouched). Each rank generates every rank's tensors from seeds, so expected val
 computed locally. The patterns only move and add data: values are small integers stored as
 float64, every sum is exact in any order, and those checks are bit-exact (torch.equal).
 
-The same launch runs the bare Cannon functions (cannon.py) on the 3 x 3 torus against a
-float64 F.linear: fp32 there, tolerance max |fp32 - fp64| <= 1e-5 * max |fp64| (K <= 9 terms
-per dot product: rounding ~sqrt(K) * 6e-8, reordered by the grid; see test_temporal_linear.py).
+The same launch checks async_comm's transfers (started in one call, finished in another, two
+in flight at once) on the three group shapes, also bit-exact, and runs the bare Cannon
+functions (cannon.py) on the 3 x 3 torus against a float64 F.linear: fp32 there, tolerance
+max |fp32 - fp64| <= 1e-5 * max |fp64| (K <= 9 terms per dot product: rounding ~sqrt(K) *
+6e-8, reordered by the grid; see test_temporal_linear.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ds_stpar.layers.async_comm import (
+    gather_finish,
+    gather_start,
+    reduce_scatter_finish,
+    reduce_scatter_start,
+)
 from ds_stpar.layers.cannon import _plan, cannon_column_linear, cannon_row_linear
 from ds_stpar.layers.comm import (
     InFlightLimit,
@@ -69,6 +77,26 @@ def _check_gather_scatter(group, tag: int) -> None:
     assert torch.equal(y, expect), "reduce-scatter value"
     y.backward(_data(tag + 300 + me, (2, 3)))
     assert torch.equal(x.grad, torch.cat([_data(tag + 300 + e, (2, 3)) for e in range(size)]))
+
+
+def _check_async_transfers(group, tag: int) -> None:
+    """async_comm's gather and reduce-scatter split into start and finish, both in flight at
+    once and finished in the other order, forward and backward (the adjoints swap roles)."""
+    size, me = group.size(), group.rank()
+    x = _data(tag + me, (2, 3)).requires_grad_()
+    z = _data(tag + 200 + me, (2 * size, 3)).requires_grad_()
+    gather = gather_start(x, group)
+    scatter = reduce_scatter_start(z, group)
+    summed = reduce_scatter_finish(*scatter)
+    gathered = gather_finish(*gather)
+    assert torch.equal(gathered, torch.cat([_data(tag + e, (2, 3)) for e in range(size)]))
+    expect = sum(_data(tag + 200 + e, (2 * size, 3))[2 * me : 2 * me + 2] for e in range(size))
+    assert torch.equal(summed, expect), "async reduce-scatter value"
+    grads = _data(tag + 50 + me, (2 * size, 3)), _data(tag + 300 + me, (2, 3))
+    torch.autograd.backward([gathered, summed], list(grads))
+    expect = sum(_data(tag + 50 + e, (2 * size, 3))[2 * me : 2 * me + 2] for e in range(size))
+    assert torch.equal(x.grad, expect), "async gather grad"
+    assert torch.equal(z.grad, torch.cat([_data(tag + 300 + e, (2, 3)) for e in range(size)]))
 
 
 def _check_ring_pass_both_streams(group, tag: int) -> None:
@@ -176,6 +204,9 @@ def _comm_worker(rank: int, world_size: int) -> None:
     _check_ring_shift(strided, members, 2000 + tag)
     _check_gather_scatter(world, 4000)
     _check_gather_scatter(strided, 5000 + tag)
+    _check_async_transfers(world, 6000)
+    _check_async_transfers(strided, 6500 + tag)
+    _check_async_transfers(singles, 9000 + rank)
     _check_ring_pass_both_streams(world, 7000)
     _check_ring_pass_both_streams(strided, 8000 + tag)
     _check_torus_shift(world, 10_000)

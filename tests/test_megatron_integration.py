@@ -66,9 +66,21 @@ def test_gpt_parameter_count():
     run_workers(_param_count, 2)
 
 
+def _record_paths(layers, calls: list[bool]) -> None:
+    """Append to ``calls`` whether each layer call takes the interleaved path."""
+    for layer in layers:
+
+        def interleaves(hidden, kwargs, layer=layer):
+            calls.append(type(layer).interleaves(layer, hidden, kwargs))
+            return calls[-1]
+
+        layer.interleaves = interleaves
+
+
 def _spec_parity(rank: int, world: int) -> None:
     """GPTModel with ds_stpar's spec (Megatron linears + SP; ring with its MLP fused, fused
-    under full activation recompute, and as two ring linears) vs Megatron's local spec."""
+    under full activation recompute, as two ring linears, and in the layer that interleaves
+    two batch halves) vs Megatron's local spec."""
     from ds_stpar.integrations import megatron_cpu
 
     megatron_cpu.apply()
@@ -116,8 +128,14 @@ def _spec_parity(rank: int, world: int) -> None:
         return loss.detach(), grads
 
     ref_loss, ref_grads = loss_and_grads(reference)
-    variants = (("megatron", True, "none"), ("ring", True, "none"), ("ring", True, "full"))
-    for tp_mode, fused, recompute in (*variants, ("ring", False, "none")):
+    variants = (
+        ("megatron", True, "none", False),
+        ("ring", True, "none", False),
+        ("ring", True, "full", False),
+        ("ring", False, "none", False),
+        ("ring", True, "none", True),  # two batch halves interleaved
+    )
+    for tp_mode, fused, recompute, interleave in variants:
         strategy = Strategy(
             Layout(tp=world, tp_mode=tp_mode),
             recompute=recompute,
@@ -125,13 +143,20 @@ def _spec_parity(rank: int, world: int) -> None:
             fused_ring_mlp=fused,
         )
         config = transformer_config(spec, strategy, "fp32")
-        ours = build(get_gpt_block_stpar_spec(config, tp_mode, fused_ring_mlp=fused), config)
+        block = get_gpt_block_stpar_spec(
+            config, tp_mode, fused_ring_mlp=fused, interleave=interleave
+        )
+        ours = build(block, config)
+        calls = []
+        if interleave:
+            _record_paths(ours.decoder.layers, calls)
         missing, unexpected = ours.load_state_dict(reference.state_dict(), strict=False)
         assert not [k for k in missing + unexpected if not k.endswith("_extra_state")], (
             missing,
             unexpected,
         )
         loss, grads = loss_and_grads(ours)
+        assert calls == ([True] * len(ours.decoder.layers) if interleave else []), calls
         # Same weights and data; only the reduction order (SP collectives, ring steps, SDPA vs
         # baddbmm softmax) differs: fp32 rounding over K <= 96-term sums, far below 1e-5.
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)

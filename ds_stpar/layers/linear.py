@@ -39,6 +39,7 @@ from torch.nn import Parameter
 from ds_stpar.errors import ConfigError
 from ds_stpar.layers.cannon import cannon_column_linear, cannon_row_linear, cannon_weight_offsets
 from ds_stpar.layers.comm import Group
+from ds_stpar.layers.local import local_linear
 from ds_stpar.layers.ring import ring_column_linear, ring_row_linear
 from ds_stpar.layers.wgrad import fused_main_grad
 
@@ -92,10 +93,17 @@ def _check_divisible(what: str, value: int, by: int, why: str) -> None:
 
 
 class _TemporalLinear(torch.nn.Module):
-    """What both layers share: group and mode checks, weight creation, checkpoint sharding."""
+    """What both layers share: group and mode checks, weight creation, checkpoint sharding.
+
+    ``local_compute`` (set by :func:`ds_stpar.layers.interleave.local_compute` for the length
+    of one call): run only this rank's GEMM (``local.py``) on an input the caller gathered
+    (column: [s, b, K] -> [s, b, N/P]) or return this rank's term of the output for the
+    caller to reduce (row: [s, b, K/P] -> [s, b, N]).
+    """
 
     partition_dim: int
     megatron_class: str
+    local_compute: bool = False
 
     def _setup(
         self,
@@ -339,6 +347,8 @@ class TemporalColumnParallelLinear(_TemporalLinear):
             )
         self._check_input(input_, self.input_size)
         main_grad = fused_main_grad(weight, self.gradient_accumulation_fusion)
+        if self.local_compute:
+            return self._with_bias(local_linear(input_, weight, main_grad))
         output = self._algorithm()(input_, weight, self.tp_group, main_grad)
         return self._with_bias(output)
 
@@ -403,12 +413,19 @@ class TemporalRowParallelLinear(_TemporalLinear):
     def forward(self, input_: Tensor) -> tuple[Tensor, Tensor | None]:
         """[s, b, K/P] -> ([s/P, b, N], bias if skip_bias_add else None)."""
         self._check_input(input_, self.input_size_per_partition)
+        main_grad = fused_main_grad(self.weight, self.gradient_accumulation_fusion)
+        if self.local_compute:
+            if self.bias is not None and not self.skip_bias_add:
+                raise ConfigError(
+                    "local_compute returns a partial sum: the bias must be added after the "
+                    "reduction (skip_bias_add=True)"
+                )
+            return local_linear(input_, self.weight, main_grad), self.bias
         size = self.tp_group.size()
         if input_.shape[0] % size:
             raise ConfigError(
                 f"sequence length {input_.shape[0]} is not divisible by the TP size {size}: "
                 f"pad sequences to a multiple of {size}"
             )
-        main_grad = fused_main_grad(self.weight, self.gradient_accumulation_fusion)
         output = self._algorithm()(input_, self.weight, self.tp_group, main_grad)
         return self._with_bias(output)

@@ -46,6 +46,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from ds_stpar.config import TP_MODES
 from ds_stpar.errors import ConfigError
+from ds_stpar.layers.interleave import InterleavedTransformerLayer
 from ds_stpar.layers.megatron_modules import SDPACoreAttention, SequenceParallelNorm
 from ds_stpar.layers.mlp import StparMLP
 
@@ -89,13 +90,20 @@ class StparSpecProvider(LocalSpecProvider):
 
 
 def get_gpt_layer_stpar_spec(
-    tp_mode: str | None = None, tp_group=None, fused_ring_mlp: bool | None = None
+    tp_mode: str | None = None,
+    tp_group=None,
+    fused_ring_mlp: bool | None = None,
+    interleave: bool | None = None,
 ) -> ModuleSpec:
     """A GPT transformer-layer spec with ds_stpar modules (see the module docstring).
 
     The norm type (LayerNorm/RMSNorm) follows ``TransformerConfig.normalization``.
     ``fused_ring_mlp`` (ring only): one fused ring pass per MLP block (``StparMLP``) or two
     ring linears; None reads ``DS_STPAR_FUSED_RING_MLP`` (``0`` or ``1``, default ``1``).
+    ``interleave`` (ring only): the layer is
+    :class:`~ds_stpar.layers.interleave.InterleavedTransformerLayer`, which runs two halves
+    of the micro-batch interleaved so each half's transfers hide behind the other's compute;
+    None reads ``DS_STPAR_INTERLEAVE`` (``0`` or ``1``, default ``0``).
     ``tp_group``: the TP group of models built with explicit groups. Megatron's
     ``TransformerLayer`` hands its TP group only to an MLP of type exactly ``MLP``, so the
     ring / Cannon ``StparMLP`` gets it from the spec (None: Megatron's global parallel state).
@@ -103,12 +111,17 @@ def get_gpt_layer_stpar_spec(
     backend = StparSpecProvider(tp_mode or os.environ.get("DS_STPAR_TP_MODE", "ring"))
     if fused_ring_mlp is None:
         fused_ring_mlp = _env_flag("DS_STPAR_FUSED_RING_MLP", True)
+    if interleave is None:
+        interleave = _env_flag("DS_STPAR_INTERLEAVE", False)
+    layer = TransformerLayer
+    if interleave and backend.tp_mode == "ring":
+        layer = InterleavedTransformerLayer
     mlp_params = {"fused_ring": fused_ring_mlp}
     if tp_group is not None:
         mlp_params["tp_group"] = tp_group
     norm = backend.layer_norm()
     return ModuleSpec(
-        module=TransformerLayer,
+        module=layer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=norm,
             self_attention=ModuleSpec(
@@ -144,11 +157,13 @@ def get_gpt_block_stpar_spec(
     vp_stage: int | None = None,
     tp_group=None,
     fused_ring_mlp: bool | None = None,
+    interleave: bool | None = None,
 ) -> TransformerBlockSubmodules:
     """The whole decoder block of one pipeline stage: ds_stpar layers plus an SP-capable final norm."""
     layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(
-        layer_specs=[get_gpt_layer_stpar_spec(tp_mode, tp_group, fused_ring_mlp)] * layers,
+        layer_specs=[get_gpt_layer_stpar_spec(tp_mode, tp_group, fused_ring_mlp, interleave)]
+        * layers,
         layer_norm=SequenceParallelNorm,
     )
 

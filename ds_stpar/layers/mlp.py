@@ -10,6 +10,10 @@ attributes and checkpoint keys, so a model moves between the specs by its dist c
   per-linear ring layers (same result): ``per_token_scale`` (MoE experts), Transformer
   Engine activations, ``bias_activation_fusion`` (Megatron's fused kernels, tanh GELU), fp8
   activation storage.
+- **inside an interleaved layer** (its linears in ``local_compute`` mode, the transfers
+  outside): in the cases the fused pass covers, fc1's GEMM then act(A) W2^T saving A only
+  (:func:`~ds_stpar.layers.local.activation_linear`), so the block keeps the fused pass's
+  memory: Megatron's forward would keep act(A) as well.
 - **Cannon, gated fc1**: fc1's weight is saved with
   :func:`~ds_stpar.layers.cannon_mlp.cannon_glu_factory` instead of Megatron's row-split GLU
   factory.
@@ -22,6 +26,7 @@ from megatron.core.transformer.mlp import MLP
 from torch import Tensor
 
 from ds_stpar.layers.cannon_mlp import cannon_glu_factory
+from ds_stpar.layers.local import activation_linear
 from ds_stpar.layers.ring_mlp import ring_mlp
 from ds_stpar.layers.wgrad import fused_main_grad
 
@@ -68,6 +73,11 @@ class StparMLP(MLP):
         if not self._fused_ring(per_token_scale):
             return super().forward(hidden_states, per_token_scale, **kwargs)
         fc1, fc2 = self.linear_fc1, self.linear_fc2
+        if fc1.local_compute and fc2.local_compute:
+            a, bias = fc1(hidden_states)
+            a = a + bias if bias is not None else a
+            main_grad = fused_main_grad(fc2.weight, fc2.gradient_accumulation_fusion)
+            return activation_linear(a, fc2.weight, self._activation, main_grad), fc2.bias
         fc1._check_input(hidden_states, fc1.input_size)
         output = ring_mlp(
             hidden_states,

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from ds_stpar.layers.comm import Group, Message, PendingP2P, ring_pass, start_p2p
+from ds_stpar.layers.local import recompute_activation
 from ds_stpar.layers.wgrad import WeightGrad
 from ds_stpar.planner.tensor_parallel import MIN_PIECE_FLOP, PIECES, piece_count
 
@@ -121,15 +122,6 @@ def _accumulate_around_ring(
     return own
 
 
-def _recompute_activation(act: Activation, a: Tensor, grad_h: Tensor | None):
-    """(act(a), d act(a) / d a applied to ``grad_h``) from a fresh graph on ``a``."""
-    with torch.enable_grad():
-        a = a.detach().requires_grad_()
-        h = act(a)
-    (grad_a,) = torch.autograd.grad(h, a, grad_h)
-    return h.detach(), grad_a
-
-
 class _RingMLP(torch.autograd.Function):
     """forward / backward: the schedule of the module docstring."""
 
@@ -175,7 +167,7 @@ class _RingMLP(torch.autograd.Function):
         def grad_pre_activation(c: int, dy_c: Tensor, lo: int, hi: int) -> Tensor:
             """dA for rows lo:hi of chunk c, accumulating this rank's weight and bias grads."""
             at = slice(c * rows + lo, c * rows + hi)
-            h, da = _recompute_activation(ctx.act, a_all[at], dy_c[lo:hi] @ w2)
+            h, da = recompute_activation(ctx.act, a_all[at], dy_c[lo:hi] @ w2)
             if wgrad2 is not None:
                 wgrad2.add(dy_c[lo:hi], h)
             if wgrad1 is not None:

@@ -1,0 +1,161 @@
+"""Transfers that start in one autograd node and finish in a later one.
+
+The ring layers (``ring.py``, ``ring_mlp.py``) wait for every hop inside the linear that
+issued it, so a hop can only hide behind that linear's own sub-GEMMs. Here a transfer is split
+in two nodes joined by a :class:`Transfer`: ``*_start`` issues it and returns a *token* (an
+empty tensor carrying the autograd edge), ``*_finish`` waits and returns the result. Whatever
+the caller issues in between (another micro-batch's attention, say) runs while the data
+travels: :mod:`ds_stpar.layers.interleave` is the user.
+
+Two patterns, Megatron's sequence-parallel pair, (P-1)/P of the tensor per rank:
+
+- **gather**: chunk d ``[n, ...]`` -> ``[P n, ...]`` in rank order; backward: the
+  reduce-scatter of the gradient.
+- **reduce-scatter**: this rank's terms ``[P n, ...]`` -> chunk d of the sum over ranks
+  ``[n, ...]``; backward: the gather of the gradient.
+
+In the backward the roles swap: finish's backward *starts* the adjoint transfer and start's
+backward waits for it. Autograd runs the ready node created last first, so the backward
+issues and overlaps in the forward's order reversed.
+
+Transport: the group's own all-gather / reduce-scatter (``all_gather_single`` /
+``reduce_scatter_single``, the ``*_into_tensor`` / ``*_tensor`` names before torch 2.13),
+issued on CUDA on the P2P side stream of :func:`~ds_stpar.layers.comm.p2p_stream` after the
+compute stream has written the input. At P = 2 each is one exchange with the neighbour, the
+ring's hop; NCCL's collective kernels move it at about twice the bandwidth of its
+send/receive pair, over host memory (NCCL_P2P_DISABLE=1) and over NVLink alike (2 x H100,
+BENCHMARKS.md, sixteenth session), so the ring's batched isend/irecv is not used here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ds_stpar.layers.comm import Group, p2p_stream
+
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def on_p2p_stream(device: torch.device):
+    """Run the block on the P2P side stream (CUDA; a no-op context on CPU): work that only
+    feeds a transfer can run there without queueing behind the compute stream."""
+    return torch.cuda.stream(p2p_stream(device)) if device.type == "cuda" else nullcontext()
+
+
+class _InFlight:
+    """A collective issued; :meth:`finish` makes the current stream wait and returns ``out``.
+
+    The side stream then also waits for that point, so a buffer the side stream made and the
+    collective read is not handed out again by the caching allocator while it still reads.
+    """
+
+    def __init__(self, work, out: Tensor, inputs: Tensor):
+        self._work, self._out, self._inputs = work, out, inputs
+
+    def finish(self) -> Tensor:
+        self._work.wait()
+        if self._out.is_cuda:
+            p2p_stream(self._out.device).wait_stream(torch.cuda.current_stream(self._out.device))
+        self._inputs = None
+        return self._out
+
+
+def _issue(collective, out: Tensor, x: Tensor, group: Group) -> _InFlight:
+    if x.is_cuda:
+        side = p2p_stream(x.device)
+        side.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(side):
+            work = collective(out, x, group=group, async_op=True)
+    else:
+        work = collective(out, x, group=group, async_op=True)
+    return _InFlight(work, out, x)
+
+
+def start_gather(x: Tensor, group: Group) -> _InFlight:
+    """Issue the gather of ``x`` (chunk d, dim 0) over ``group``; ``finish()`` -> [P n, ...]."""
+    out = x.new_empty((group.size() * x.shape[0], *x.shape[1:]))
+    return _issue(_ALL_GATHER, out, x, group)
+
+
+def start_reduce_scatter(x: Tensor, group: Group) -> _InFlight:
+    """Issue the reduce-scatter of ``x`` ([P n, ...] this rank's terms) over ``group``;
+    ``finish()`` -> chunk d of the sum over ranks."""
+    out = x.new_empty((x.shape[0] // group.size(), *x.shape[1:]))
+    return _issue(_REDUCE_SCATTER, out, x, group)
+
+
+class Transfer:
+    """What a start node hands its finish node, and what the finish node's backward hands
+    the start node's backward (the adjoint transfer in flight)."""
+
+    def __init__(self, group: Group):
+        self.group = group
+        self.forward: _InFlight | None = None
+        self.backward: _InFlight | None = None
+
+
+class _Start(torch.autograd.Function):
+    """forward: issue ``issue(x)``; backward: finish the adjoint transfer (see the module
+    docstring)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, transfer: Transfer, issue: Callable) -> Tensor:
+        ctx.transfer = transfer
+        transfer.forward = issue(x.contiguous(), transfer.group)
+        return x.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _token_grad: Tensor):
+        transfer = ctx.transfer
+        grad, transfer.backward = transfer.backward.finish(), None
+        return grad, None, None
+
+
+class _Finish(torch.autograd.Function):
+    """forward: wait and return the transfer's result; backward: issue ``adjoint(grad)``."""
+
+    @staticmethod
+    def forward(ctx, token: Tensor, transfer: Transfer, adjoint: Callable) -> Tensor:
+        ctx.transfer, ctx.adjoint = transfer, adjoint
+        result, transfer.forward = transfer.forward.finish(), None
+        if result.is_cuda:  # its buffer may come from the side stream's pool
+            result.record_stream(torch.cuda.current_stream(result.device))
+        return result
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        transfer = ctx.transfer
+        transfer.backward = ctx.adjoint(grad.contiguous(), transfer.group)
+        return grad.new_empty(0), None, None
+
+
+def gather_start(x: Tensor, group: Group) -> tuple[Tensor, Transfer]:
+    """Start gathering ``x`` ``[n, ...]`` (this rank's chunk, dim 0) over ``group``; returns
+    (token, transfer) for :func:`gather_finish`."""
+    transfer = Transfer(group)
+    return _Start.apply(x, transfer, start_gather), transfer
+
+
+def gather_finish(token: Tensor, transfer: Transfer) -> Tensor:
+    """``[P n, ...]``: every rank's chunk in rank order (waits for the gather)."""
+    return _Finish.apply(token, transfer, start_reduce_scatter)
+
+
+def reduce_scatter_start(x: Tensor, group: Group) -> tuple[Tensor, Transfer]:
+    """Start summing ``x`` ``[P n, ...]`` over ``group``, keeping chunk d; returns (token,
+    transfer) for :func:`reduce_scatter_finish`. Dim 0 must divide by the group size."""
+    if x.shape[0] % group.size():
+        raise ValueError(f"dim 0 of size {x.shape[0]} must divide by the group size {group.size()}")
+    transfer = Transfer(group)
+    return _Start.apply(x, transfer, start_reduce_scatter), transfer
+
+
+def reduce_scatter_finish(token: Tensor, transfer: Transfer) -> Tensor:
+    """``[n, ...]``: chunk d of the sum over ranks (waits for the reduce-scatter)."""
+    return _Finish.apply(token, transfer, start_gather)
