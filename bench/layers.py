@@ -36,10 +36,11 @@ Variants (named for any P; before P was general they were ``megatron-tp2-sp`` an
 - ``ring-linear``: fc1 and fc2 as two separate ring layers (the per-linear ring, as
   ``apply_stpar`` puts it into HF models; the layer from the spec with
   ``fused_ring_mlp=False``).
-- ``ring-interleaved``: layer only. ``get_gpt_layer_stpar_spec("ring", interleave=True)``:
-  :class:`~ds_stpar.layers.interleave.InterleavedTransformerLayer` runs the two batch halves
-  (T / seq sequences, so T >= 2 seq) interleaved, each half's gathers and reductions on the
-  ring's P2P stream behind the other half's attention or MLP; the linears' GEMMs run locally.
+- ``ring-interleaved``, ``ring-interleaved-4``: layer only.
+  ``get_gpt_layer_stpar_spec("ring", interleave=k)``, k = 2 / 4:
+  :class:`~ds_stpar.layers.interleave.InterleavedTransformerLayer` runs k pieces of the batch
+  (T / seq sequences; "n/a" when k does not divide them) interleaved, each piece's gathers and
+  reductions behind the other pieces' attention or MLP; the linears' GEMMs run locally.
 - ``cannon``: the same layers with tp_mode="cannon" (a q x q torus, P = q*q; "n/a (P not a
   square)" for P = 2, 8). Same boundary layouts as Megatron SP (column [s/P, b, K] ->
   [s, b, N/P], row [s, b, K/P] -> [s/P, b, N]); the re-layouts to and from the torus blocks
@@ -111,18 +112,30 @@ VARIANTS = (
     "ring",
     "ring-linear",
     "ring-interleaved",
+    "ring-interleaved-4",
     "cannon",
     "one-gpu",
 )
 REFERENCE = "megatron-sp"
+INTERLEAVED = {"ring-interleaved": 2, "ring-interleaved-4": 4}  # variant -> pieces
 # compared with REFERENCE before timing (no-comm computes a different function); async-tp last
-CHECKED = ("megatron", "ring", "ring-linear", "ring-interleaved", "cannon", "one-gpu", "async-tp")
+CHECKED = (
+    "megatron",
+    "ring",
+    "ring-linear",
+    "ring-interleaved",
+    "ring-interleaved-4",
+    "cannon",
+    "one-gpu",
+    "async-tp",
+)
 SEQUENCE_PARALLEL = (
     "megatron-sp",
     "async-tp",
     "ring",
     "ring-linear",
     "ring-interleaved",
+    "ring-interleaved-4",
     "cannon",
 )  # input [s/P, b, h]
 ALIASES = {"megatron-tp2-sp": "megatron-sp", "megatron-tp2": "megatron"}  # the P=2 names
@@ -591,7 +604,7 @@ def _pg_collection(tp_group: dist.ProcessGroup):
 
 
 def _tp_mode(variant: str) -> str:
-    ring = ("ring", "ring-linear", "ring-interleaved")
+    ring = ("ring", "ring-linear", *INTERLEAVED)
     return "ring" if variant in ring else "cannon" if variant == "cannon" else "megatron"
 
 
@@ -667,7 +680,7 @@ def build_layer(variant: str, case: Case, rt: Runtime) -> Built:
             mode,
             group,
             fused_ring_mlp=variant != "ring-linear",
-            interleave=variant == "ring-interleaved",
+            interleave=INTERLEAVED.get(variant, 0),
         ),
         config=cfg,
         layer_number=1,
@@ -837,10 +850,10 @@ def not_applicable(variant: str, case: Case, rt: Runtime, async_name: str | None
     """Why ``variant`` cannot run on this case / group, or None."""
     if variant == "async-tp" and case.block == "layer":
         return "MLP only"
-    if variant == "ring-interleaved" and case.block == "mlp":
+    if variant in INTERLEAVED and case.block == "mlp":
         return "layer only"
-    if variant == "ring-interleaved" and case.batch % 2:
-        return "odd batch"
+    if variant in INTERLEAVED and case.batch % INTERLEAVED[variant]:
+        return f"batch not divisible by {INTERLEAVED[variant]}"
     if variant == "async-tp" and async_name is None:
         return "unavailable"
     if variant == "cannon" and not rt.square:

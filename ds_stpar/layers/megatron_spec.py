@@ -60,6 +60,13 @@ def _env_flag(name: str, default: bool) -> bool:
     return value == "1"
 
 
+def _env_count(name: str) -> int:
+    value = os.environ.get(name, "0")
+    if not value.isdigit():
+        raise ConfigError(f"{name} must be a whole number, got {value!r}")
+    return int(value)
+
+
 class StparSpecProvider(LocalSpecProvider):
     """Megatron's local backend with ds_stpar linears, SDPA attention and SP-capable norms."""
 
@@ -93,17 +100,17 @@ def get_gpt_layer_stpar_spec(
     tp_mode: str | None = None,
     tp_group=None,
     fused_ring_mlp: bool | None = None,
-    interleave: bool | None = None,
+    interleave: int | None = None,
 ) -> ModuleSpec:
     """A GPT transformer-layer spec with ds_stpar modules (see the module docstring).
 
     The norm type (LayerNorm/RMSNorm) follows ``TransformerConfig.normalization``.
     ``fused_ring_mlp`` (ring only): one fused ring pass per MLP block (``StparMLP``) or two
     ring linears; None reads ``DS_STPAR_FUSED_RING_MLP`` (``0`` or ``1``, default ``1``).
-    ``interleave`` (ring only): the layer is
-    :class:`~ds_stpar.layers.interleave.InterleavedTransformerLayer`, which runs two halves
-    of the micro-batch interleaved so each half's transfers hide behind the other's compute;
-    None reads ``DS_STPAR_INTERLEAVE`` (``0`` or ``1``, default ``0``).
+    ``interleave`` (ring only): k >= 2 makes the layer
+    :class:`~ds_stpar.layers.interleave.InterleavedTransformerLayer`, which runs k pieces of
+    the micro-batch interleaved so each piece's transfers hide behind the others' compute;
+    0 or 1: Megatron's layer; None reads ``DS_STPAR_INTERLEAVE`` (a whole number, default 0).
     ``tp_group``: the TP group of models built with explicit groups. Megatron's
     ``TransformerLayer`` hands its TP group only to an MLP of type exactly ``MLP``, so the
     ring / Cannon ``StparMLP`` gets it from the spec (None: Megatron's global parallel state).
@@ -112,16 +119,17 @@ def get_gpt_layer_stpar_spec(
     if fused_ring_mlp is None:
         fused_ring_mlp = _env_flag("DS_STPAR_FUSED_RING_MLP", True)
     if interleave is None:
-        interleave = _env_flag("DS_STPAR_INTERLEAVE", False)
-    layer = TransformerLayer
-    if interleave and backend.tp_mode == "ring":
-        layer = InterleavedTransformerLayer
+        interleave = _env_count("DS_STPAR_INTERLEAVE")
+    layer, layer_params = TransformerLayer, {}
+    if interleave > 1 and backend.tp_mode == "ring":
+        layer, layer_params = InterleavedTransformerLayer, {"pieces": interleave}
     mlp_params = {"fused_ring": fused_ring_mlp}
     if tp_group is not None:
         mlp_params["tp_group"] = tp_group
     norm = backend.layer_norm()
     return ModuleSpec(
         module=layer,
+        params=layer_params,
         submodules=TransformerLayerSubmodules(
             input_layernorm=norm,
             self_attention=ModuleSpec(
@@ -157,7 +165,7 @@ def get_gpt_block_stpar_spec(
     vp_stage: int | None = None,
     tp_group=None,
     fused_ring_mlp: bool | None = None,
-    interleave: bool | None = None,
+    interleave: int | None = None,
 ) -> TransformerBlockSubmodules:
     """The whole decoder block of one pipeline stage: ds_stpar layers plus an SP-capable final norm."""
     layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
@@ -170,5 +178,6 @@ def get_gpt_block_stpar_spec(
 
 #: The spec object Megatron-LM's ``--spec ds_stpar.layers.megatron_spec gpt_layer_stpar_spec``
 #: imports (Megatron-LM hands the named object to GPTModel without calling it); its mode and
-#: MLP fusion come from ``DS_STPAR_TP_MODE`` and ``DS_STPAR_FUSED_RING_MLP``.
+#: MLP fusion and interleaving come from ``DS_STPAR_TP_MODE``, ``DS_STPAR_FUSED_RING_MLP`` and
+#: ``DS_STPAR_INTERLEAVE``.
 gpt_layer_stpar_spec: ModuleSpec = get_gpt_layer_stpar_spec()
