@@ -26,6 +26,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ds_stpar.layers.async_comm import (
+    all_reduce_finish,
+    all_reduce_start,
     gather_finish,
     gather_start,
     reduce_scatter_finish,
@@ -81,7 +83,8 @@ def _check_gather_scatter(group, tag: int) -> None:
 
 def _check_async_transfers(group, tag: int) -> None:
     """async_comm's gather and reduce-scatter split into start and finish, both in flight at
-    once and finished in the other order, forward and backward (the adjoints swap roles)."""
+    once and finished in the other order, forward and backward (the adjoints swap roles);
+    the all-reduce pair, whose adjoint is itself, leaves its input as it was."""
     size, me = group.size(), group.rank()
     x = _data(tag + me, (2, 3)).requires_grad_()
     z = _data(tag + 200 + me, (2 * size, 3)).requires_grad_()
@@ -97,6 +100,13 @@ def _check_async_transfers(group, tag: int) -> None:
     expect = sum(_data(tag + 50 + e, (2 * size, 3))[2 * me : 2 * me + 2] for e in range(size))
     assert torch.equal(x.grad, expect), "async gather grad"
     assert torch.equal(z.grad, torch.cat([_data(tag + 300 + e, (2, 3)) for e in range(size)]))
+
+    v = _data(tag + 400 + me, (2, 3)).requires_grad_()
+    total = all_reduce_finish(*all_reduce_start(v, group))
+    assert torch.equal(total, sum(_data(tag + 400 + e, (2, 3)) for e in range(size)))
+    assert torch.equal(v, _data(tag + 400 + me, (2, 3))), "all-reduce changed its input"
+    total.backward(_data(tag + 500 + me, (2, 3)))
+    assert torch.equal(v.grad, sum(_data(tag + 500 + e, (2, 3)) for e in range(size)))
 
 
 def _check_ring_pass_both_streams(group, tag: int) -> None:

@@ -7,19 +7,22 @@ empty tensor carrying the autograd edge), ``*_finish`` waits and returns the res
 the caller issues in between (another micro-batch's attention, say) runs while the data
 travels: :mod:`ds_stpar.layers.interleave` is the user.
 
-Two patterns, Megatron's sequence-parallel pair, (P-1)/P of the tensor per rank:
+Three patterns: Megatron's sequence-parallel pair, (P-1)/P of the tensor per rank, and their
+composition:
 
 - **gather**: chunk d ``[n, ...]`` -> ``[P n, ...]`` in rank order; backward: the
   reduce-scatter of the gradient.
 - **reduce-scatter**: this rank's terms ``[P n, ...]`` -> chunk d of the sum over ranks
   ``[n, ...]``; backward: the gather of the gradient.
+- **all-reduce**: the sum on every rank (a reduce-scatter then a gather, in one collective);
+  backward: the all-reduce of the gradient.
 
 In the backward the roles swap: finish's backward *starts* the adjoint transfer and start's
 backward waits for it. Autograd runs the ready node created last first, so the backward
 issues and overlaps in the forward's order reversed.
 
-Transport: the group's own all-gather / reduce-scatter (``all_gather_single`` /
-``reduce_scatter_single``, the ``*_into_tensor`` / ``*_tensor`` names before torch 2.13),
+Transport: the group's own collectives (``all_gather_single`` / ``reduce_scatter_single``,
+the ``*_into_tensor`` / ``*_tensor`` names before torch 2.13, and ``all_reduce``),
 issued on CUDA on the P2P side stream of :func:`~ds_stpar.layers.comm.p2p_stream` after the
 compute stream has written the input. At P = 2 each is one exchange with the neighbour, the
 ring's hop; NCCL's collective kernels move it at about twice the bandwidth of its
@@ -30,7 +33,6 @@ BENCHMARKS.md, sixteenth session), so the ring's batched isend/irecv is not used
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -40,12 +42,6 @@ from ds_stpar.layers.comm import Group, p2p_stream
 
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def on_p2p_stream(device: torch.device):
-    """Run the block on the P2P side stream (CUDA; a no-op context on CPU): work that only
-    feeds a transfer can run there without queueing behind the compute stream."""
-    return torch.cuda.stream(p2p_stream(device)) if device.type == "cuda" else nullcontext()
 
 
 class _InFlight:
@@ -81,6 +77,16 @@ def start_gather(x: Tensor, group: Group) -> _InFlight:
     """Issue the gather of ``x`` (chunk d, dim 0) over ``group``; ``finish()`` -> [P n, ...]."""
     out = x.new_empty((group.size() * x.shape[0], *x.shape[1:]))
     return _issue(_ALL_GATHER, out, x, group)
+
+
+def _all_reduce_into(out: Tensor, x: Tensor, group: Group, async_op: bool):
+    out.copy_(x)  # the caller's tensor stays as it was (autograd may hand it on elsewhere)
+    return dist.all_reduce(out, group=group, async_op=async_op)
+
+
+def start_all_reduce(x: Tensor, group: Group) -> _InFlight:
+    """Issue the sum of ``x`` over ``group``; ``finish()`` -> the sum, on every rank."""
+    return _issue(_all_reduce_into, torch.empty_like(x), x, group)
 
 
 def start_reduce_scatter(x: Tensor, group: Group) -> _InFlight:
@@ -159,3 +165,15 @@ def reduce_scatter_start(x: Tensor, group: Group) -> tuple[Tensor, Transfer]:
 def reduce_scatter_finish(token: Tensor, transfer: Transfer) -> Tensor:
     """``[n, ...]``: chunk d of the sum over ranks (waits for the reduce-scatter)."""
     return _Finish.apply(token, transfer, start_gather)
+
+
+def all_reduce_start(x: Tensor, group: Group) -> tuple[Tensor, Transfer]:
+    """Start summing ``x`` over ``group``; returns (token, transfer) for
+    :func:`all_reduce_finish`."""
+    transfer = Transfer(group)
+    return _Start.apply(x, transfer, start_all_reduce), transfer
+
+
+def all_reduce_finish(token: Tensor, transfer: Transfer) -> Tensor:
+    """The sum of every rank's tensor (waits for the all-reduce; its adjoint is itself)."""
+    return _Finish.apply(token, transfer, start_all_reduce)

@@ -10,39 +10,46 @@ the no-communication limit is 1.4-2.2x). The sequences of a batch are independen
 through the layer, so one piece's transfer can run beside another piece's attention or MLP.
 
 What runs. The input ``[s/P, b, h]`` (Megatron's sequence-parallel layout, as every ring layer)
-is cut along the batch into k pieces ``[s/P, b/k, h]``. ``gather``/``reduce`` are the
-transfers of :mod:`ds_stpar.layers.async_comm` (started in one line, finished in a later
-one); the attention and the MLP are this layer's own submodules with their linears in
-``local_compute`` mode, so they run only this rank's GEMMs. For k = 2 (pieces A, B) the layer
-issues, in order::
+is cut along the batch into k pieces ``[s/P, b/k, h]``. The transfers are
+:mod:`ds_stpar.layers.async_comm`'s (started in one line, finished in a later one); the
+attention and the MLP are this layer's own submodules with their linears in
+``local_compute`` mode, so they run only this rank's GEMMs. For k = 2 (pieces A, B)::
 
-    norm1(A), start gather A;  norm1(B), start gather B
-    finish gather A, attention(A), start reduce A           (gather B travels)
-    finish gather B, attention(B)                           (reduce A travels)
-      on the P2P stream: finish reduce A, + residual, norm2, start gather A'
-    start reduce B
-    finish gather A', MLP(A')                               (reduce B travels)
-      on the P2P stream: finish reduce B, + residual, norm2, start gather B'
-    start reduce A'
-    finish gather B', MLP(B'), start reduce B'              (reduce A' travels)
-    finish reduce A', + residual;  finish reduce B', + residual;  output = [A; B]
+    start gather x_A;  start gather x_B
+    finish gather A: norm1, attention(A), start all-reduce A      (gather B travels)
+    finish gather B: norm1, attention(B), start all-reduce B      (all-reduce A travels)
+    finish all-reduce A: + residual, norm2, MLP(A), start reduce-scatter A   (all-reduce B)
+    finish all-reduce B: + residual, norm2, MLP(B), start reduce-scatter B   (reduce A)
+    finish reduce A, + residual (own rows);  the same for B;  output = [A; B]
 
-and for larger k the same software pipeline: piece i's tail (the middle line) goes behind
-piece i+1's attention, the last piece's behind the first piece's MLP. Every transfer but the
-first gather and the last reduction can hide behind another piece's attention or MLP. The
-tails run on the P2P stream, so a piece's gather for the MLP leaves while the next piece's
-attention computes instead of queueing behind it. The backward mirrors all of it (autograd
-runs the newest ready node first and each node on its forward's stream; see ``async_comm``).
+and for larger k the same loops over more pieces. Every transfer but the first gather and the
+last reduction hides behind another piece's attention or MLP.
 
-Communication volume per layer is Megatron TP+SP's less the backward's two re-gathers (the
-column GEMMs keep the gathered input: (P-1)/P of the activation more memory per column than
-the ring layer's own chunk); the MLP saves fc1's output only, recomputing the activation
-(``StparMLP``), as the fused ring MLP.
+Why an all-reduce in the middle and not Megatron's reduce-scatter, residual add, norm and
+gather: those are two transfers back to back with a little work between them, and that work
+cannot run beside the other piece's GEMMs (cuBLAS's persistent kernels hold every SM until
+they end; a transfer's kernel only runs beside a GEMM when it was launched first), so one of
+the two stayed exposed (BENCHMARKS.md, sixteenth session: about 1.5 ms per piece at h 8192
+over host memory). One all-reduce moves the same bytes in one kernel; each rank then adds the
+residual and normalises all s rows itself (the gathered input is the residual, so the layer
+gathers x, not norm1(x)). The norms see every row on every rank, so their parameter gradients
+are each rank's share over all rows, and Megatron's sum over TP of sequence-parallel
+parameters' gradients adds the shares up as it adds the rows' shares under sequence
+parallelism. The backward mirrors all of it (autograd runs the newest ready node first; an
+all-reduce's adjoint is an all-reduce, a gather's a reduce-scatter).
+
+Communication volume per layer equals Megatron TP+SP's forward (gather, all-reduce =
+reduce-scatter + gather, reduce-scatter) and its backward less the two re-gathers: the column
+GEMMs keep their gathered input, and the layer keeps the gathered residual and the
+all-reduced middle, (P-1)/P of the activation more memory each than the ring layer's own
+chunks. The MLP saves fc1's output only, recomputing the activation (``StparMLP``), as the
+fused ring MLP.
 
 When it runs: TP group of P > 1, a batch the pieces divide (else gcd(batch, k) pieces; one:
-Megatron's forward), training or not, no packed sequences (a packed micro-batch is one row),
-no inference context, cross-attention, recompute of the norms or the MLP, or activation
-offloading, and row linears that leave their bias to the caller (Megatron's projection and
+Megatron's forward), no hidden dropout while training (every rank adds the residual to all
+rows, so a dropout mask drawn per rank would differ between ranks), no packed sequences (a
+packed micro-batch is one row), no inference context, cross-attention, recompute of the norms
+or the MLP, or activation offloading, and row linears that leave their bias to the caller (Megatron's projection and
 fc2 do). Otherwise the layer is Megatron's ``TransformerLayer`` over the ring linears (same
 weights, same function).
 """
@@ -60,9 +67,10 @@ from torch import Tensor
 
 from ds_stpar.errors import ConfigError
 from ds_stpar.layers.async_comm import (
+    all_reduce_finish,
+    all_reduce_start,
     gather_finish,
     gather_start,
-    on_p2p_stream,
     reduce_scatter_finish,
     reduce_scatter_start,
 )
@@ -124,6 +132,7 @@ class InterleavedTransformerLayer(TransformerLayer):
             and not self.recompute_mlp
             and not self.offload_attn_norm
             and not self.offload_mlp_norm
+            and not (self.training and self.hidden_dropout > 0)
             and all(
                 isinstance(m, _TemporalLinear) and (m.bias is None or m.skip_bias_add)
                 for m in rows_linears
@@ -139,59 +148,43 @@ class InterleavedTransformerLayer(TransformerLayer):
         group = self._tp_group()
         masks = _split_mask(kwargs.pop("attention_mask", None), hidden_states.shape[1], count)
         extra = {name: kwargs[name] for name in ATTENTION_KWARGS if kwargs.get(name) is not None}
-        inputs = hidden_states.chunk(count, dim=1)
-        gathers = [gather_start(self.input_layernorm(x), group) for x in inputs]
-        reduces, middles = [], [None] * count
-        for i in range(count):
-            out, bias = self._attention(gathers[i], masks[i], extra)
-            if i > 0:  # the previous piece's tail, behind this piece's attention
-                middles[i - 1], gathers[i - 1] = self._attention_tail(
-                    reduces[i - 1], inputs[i - 1], group
+        gathers = [gather_start(x, group) for x in hidden_states.chunk(count, dim=1)]
+        sums, residuals = [], []
+        for gather, mask in zip(gathers, masks, strict=True):
+            full = gather_finish(*gather)
+            normed = self.input_layernorm(full)
+            with local_compute(self.self_attention):
+                out, bias = self.self_attention(normed, attention_mask=mask, **extra)
+            sums.append((all_reduce_start(out, group), bias))
+            residuals.append(full)
+        reduces = []
+        for ((token, transfer), bias), full in zip(sums, residuals, strict=True):
+            with self.bias_dropout_add_exec_handler():
+                middle = self.self_attn_bda(self.training, self.config.bias_dropout_fusion)(
+                    (all_reduce_finish(token, transfer), bias), full, self.hidden_dropout
                 )
-            reduces.append((reduce_scatter_start(out, group), bias))
-        for i in range(count):
-            out, bias = self._mlp(gathers[i])
-            if i == 0:  # the last piece's tail, behind the first piece's MLP
-                middles[-1], gathers[-1] = self._attention_tail(reduces[-1], inputs[-1], group)
-            reduces[i] = reduce_scatter_start(out, group), bias
-        outputs = [self._mlp_tail(r, middle) for r, middle in zip(reduces, middles, strict=True)]
+            normed = self.pre_mlp_layernorm(middle)
+            with local_compute(self.mlp):
+                out, bias = self.mlp(normed)
+            reduces.append((reduce_scatter_start(out, group), bias, _own_rows(middle, group)))
+        outputs = []
+        for (token, transfer), bias, middle in reduces:
+            with self.bias_dropout_add_exec_handler():
+                outputs.append(
+                    self.mlp_bda(self.training, self.config.bias_dropout_fusion)(
+                        (reduce_scatter_finish(token, transfer), bias), middle, self.hidden_dropout
+                    )
+                )
         output = torch.cat(outputs, dim=1)
         output = make_viewless_tensor(
             inp=output, requires_grad=output.requires_grad, keep_graph=True
         )
         return output, None
 
-    def _attention(self, gather, mask: Tensor | None, extra: dict) -> tuple[Tensor, Tensor | None]:
-        """This rank's term of the attention block's output, ``[s, b/2, h]``, and its bias."""
-        with local_compute(self.self_attention):
-            return self.self_attention(gather_finish(*gather), attention_mask=mask, **extra)
 
-    def _mlp(self, gather) -> tuple[Tensor, Tensor | None]:
-        """This rank's term of the MLP's output, ``[s, b/2, h]``, and fc2's bias."""
-        with local_compute(self.mlp):
-            return self.mlp(gather_finish(*gather))
-
-    def _attention_tail(self, reduce, residual: Tensor, group):
-        """Finish the attention's reduction, add the residual, normalise and start the MLP's
-        gather, all on the P2P stream: the compute stream runs the other half meanwhile and
-        the gather leaves as soon as the reduction lands. Returns (residual stream, gather)."""
-        (token, transfer), bias = reduce
-        with on_p2p_stream(residual.device):
-            with self.bias_dropout_add_exec_handler():
-                middle = self.self_attn_bda(self.training, self.config.bias_dropout_fusion)(
-                    (reduce_scatter_finish(token, transfer), bias), residual, self.hidden_dropout
-                )
-            gather = gather_start(self.pre_mlp_layernorm(middle), group)
-        if middle.is_cuda:  # made on the side stream, used on the compute stream
-            middle.record_stream(torch.cuda.current_stream(middle.device))
-        return middle, gather
-
-    def _mlp_tail(self, reduce, residual: Tensor) -> Tensor:
-        (token, transfer), bias = reduce
-        with self.bias_dropout_add_exec_handler():
-            return self.mlp_bda(self.training, self.config.bias_dropout_fusion)(
-                (reduce_scatter_finish(token, transfer), bias), residual, self.hidden_dropout
-            )
+def _own_rows(full: Tensor, group) -> Tensor:
+    rows, me = full.shape[0] // group.size(), group.rank()
+    return full[me * rows : (me + 1) * rows]
 
 
 def _split_mask(mask: Tensor | None, batch: int, count: int) -> list[Tensor | None]:
