@@ -44,6 +44,9 @@ class Case:
     recompute: str = "none"
     # ring: the MLP as one fused ring pass; False (rows saved before it existed): two linears
     fused_ring_mlp: bool = False
+    # ring: k >= 2 runs each layer in k batch pieces (InterleavedTransformerLayer); the planner
+    # does not model it and predicts the plain ring layer
+    interleave: int = 0
 
 
 GPU_CASES = [
@@ -70,12 +73,28 @@ GPU_CASES = [
     Case("bench/models/llama-3b.json", 32768, 4, 1, dp=2, tp=2, pp=1),
     # case 7 with the ring's MLP as one fused ring pass
     Case("gpt3-1.3b", 4096, 8, 1, dp=1, tp=2, pp=1, tp_mode="ring", fused_ring_mlp=True),
+    # micro-batches of 2 sequences: Megatron TP2+SP, the ring, the ring interleaving 2 pieces
+    Case("gpt3-2.7b", 4096, 16, 2, dp=1, tp=2, pp=1),
+    Case("gpt3-2.7b", 4096, 16, 2, dp=1, tp=2, pp=1, tp_mode="ring", fused_ring_mlp=True),
+    Case(
+        "gpt3-2.7b",
+        4096,
+        16,
+        2,
+        dp=1,
+        tp=2,
+        pp=1,
+        tp_mode="ring",
+        fused_ring_mlp=True,
+        interleave=2,
+    ),
 ]
 
 
 def mode_name(case: Case) -> str:
     """The TP mode as the tables print it (``ring+fused-mlp`` for the fused ring MLP)."""
-    return case.tp_mode + ("+fused-mlp" if case.tp_mode == "ring" and case.fused_ring_mlp else "")
+    name = case.tp_mode + ("+fused-mlp" if case.tp_mode == "ring" and case.fused_ring_mlp else "")
+    return name + (f"+interleave{case.interleave}" if case.interleave > 1 else "")
 
 
 def model_spec(name: str):
@@ -184,7 +203,7 @@ def run_case(
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_block_stpar_spec(
-            config, case.tp_mode, fused_ring_mlp=case.fused_ring_mlp
+            config, case.tp_mode, fused_ring_mlp=case.fused_ring_mlp, interleave=case.interleave
         ),
         vocab_size=spec.vocab_size,
         max_sequence_length=case.seq_len,
