@@ -39,11 +39,12 @@ parallelism. The backward mirrors all of it (autograd runs the newest ready node
 all-reduce's adjoint is an all-reduce, a gather's a reduce-scatter).
 
 Communication volume per layer equals Megatron TP+SP's forward (gather, all-reduce =
-reduce-scatter + gather, reduce-scatter) and its backward less the two re-gathers: the column
-GEMMs keep their gathered input, and the layer keeps the gathered residual and the
-all-reduced middle, (P-1)/P of the activation more memory each than the ring layer's own
-chunks. The MLP saves fc1's output only, recomputing the activation (``StparMLP``), as the
-fused ring MLP.
+reduce-scatter + gather, reduce-scatter) and its backward less the two re-gathers. Memory:
+the layer keeps the gathered residual and the all-reduced middle (the norms' inputs), (P-1)/P
+of the activation more each than the ring layer's own chunks; the norms' outputs, the column
+GEMMs' gathered inputs, are not kept but recomputed from those when the backward reaches them
+(Megatron's ``CheckpointWithoutOutput``, one norm each); the MLP saves fc1's output only,
+recomputing the activation (``StparMLP``), as the fused ring MLP.
 
 When it runs: TP group of P > 1, a batch the pieces divide (else gcd(batch, k) pieces; one:
 Megatron's forward), no hidden dropout while training (every rank adds the residual to all
@@ -60,6 +61,7 @@ import math
 from contextlib import contextmanager
 
 import torch
+from megatron.core.tensor_parallel import CheckpointWithoutOutput
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
@@ -152,9 +154,11 @@ class InterleavedTransformerLayer(TransformerLayer):
         sums, residuals = [], []
         for gather, mask in zip(gathers, masks, strict=True):
             full = gather_finish(*gather)
-            normed = self.input_layernorm(full)
+            norm = CheckpointWithoutOutput(fp8=None)  # None: no fp8 (False reads as fp8 on)
+            normed = norm.checkpoint(self.input_layernorm, full)
             with local_compute(self.self_attention):
                 out, bias = self.self_attention(normed, attention_mask=mask, **extra)
+            norm.discard_output_and_register_recompute(out)
             sums.append((all_reduce_start(out, group), bias))
             residuals.append(full)
         reduces = []
@@ -163,9 +167,11 @@ class InterleavedTransformerLayer(TransformerLayer):
                 middle = self.self_attn_bda(self.training, self.config.bias_dropout_fusion)(
                     (all_reduce_finish(token, transfer), bias), full, self.hidden_dropout
                 )
-            normed = self.pre_mlp_layernorm(middle)
+            norm = CheckpointWithoutOutput(fp8=None)  # None: no fp8 (False reads as fp8 on)
+            normed = norm.checkpoint(self.pre_mlp_layernorm, middle)
             with local_compute(self.mlp):
                 out, bias = self.mlp(normed)
+            norm.discard_output_and_register_recompute(out)
             reduces.append((reduce_scatter_start(out, group), bias, _own_rows(middle, group)))
         outputs = []
         for (token, transfer), bias, middle in reduces:
