@@ -1,0 +1,14 @@
+source .gpu/setup.sh > /dev/null 2>&1
+cp .gpu/call69.sh $OUT/
+mkdir -p /tmp/res
+C="--cases layer --hidden 4096,8192 --tokens 8K --repeats 3 --warmup 2 --no-overlap --no-check --variants megatron-sp,no-comm,ring,ring-interleaved --trace-dir /tmp/res/traces"
+NCCL_P2P_DISABLE=1 timeout 120 torchrun --nproc_per_node 2 bench/layers.py $C --label slow --out /tmp/res/slow.json > /tmp/res/slow.log 2>&1
+echo "slow rc=$?"
+NCCL_P2P_DISABLE=1 CUDA_DEVICE_MAX_CONNECTIONS=8 timeout 120 torchrun --nproc_per_node 2 bench/layers.py $C --label slow-conn8 --out /tmp/res/slow-conn8.json > /tmp/res/slow-conn8.log 2>&1
+echo "slow-conn8 rc=$?"
+timeout 120 torchrun --nproc_per_node 2 bench/layers.py $C --label nvlink --out /tmp/res/nvlink.json > /tmp/res/nvlink.log 2>&1
+echo "nvlink rc=$?"
+for f in /tmp/res/*.log; do echo "== $f"; grep "^| slow\|^| nvlink\|rror" $f | tail -12; done
+python3 bench/timeline.py /tmp/res/traces/*rank-0.json.gz > /tmp/res/timeline.txt 2>&1
+head -c 9000 /tmp/res/timeline.txt
+tar czf $OUT/call69.tgz -C /tmp/res .

@@ -1,0 +1,15 @@
+source .gpu/setup.sh > /dev/null 2>&1
+cp .gpu/call70.sh $OUT/
+mkdir -p /tmp/res
+C="--cases layer --hidden 4096,8192 --tokens 8K --repeats 3 --warmup 2 --no-overlap --no-check --variants megatron-sp,no-comm,ring,ring-interleaved --trace-dir /tmp/res/traces"
+NCCL_P2P_DISABLE=1 timeout 120 torchrun --nproc_per_node 2 bench/layers.py $C --label slow --out /tmp/res/slow.json > /tmp/res/slow.log 2>&1
+echo "slow rc=$?"
+timeout 120 torchrun --nproc_per_node 2 bench/layers.py $C --label nvlink --out /tmp/res/nvlink.json > /tmp/res/nvlink.log 2>&1
+echo "nvlink rc=$?"
+F="--cases layer --hidden 4096,8192 --tokens 8K,16K,32K --repeats 5 --warmup 2 --no-overlap --variants megatron-sp,no-comm,ring,ring-interleaved"
+NCCL_P2P_DISABLE=1 timeout 200 torchrun --nproc_per_node 2 bench/layers.py $F --label slow --out /tmp/res/full-slow.json > /tmp/res/full-slow.log 2>&1
+echo "full slow rc=$?"
+for f in /tmp/res/*.log; do echo "== $f"; grep "^| slow\|^| nvlink\|rror\|FAIL" $f | grep -v PASS | tail -26; done
+python3 bench/timeline.py /tmp/res/traces/*rank-0.json.gz > /tmp/res/timeline.txt 2>&1
+grep -v "^    busy  \|host-late" /tmp/res/timeline.txt | head -c 5000
+tar czf $OUT/call70.tgz -C /tmp/res .
