@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from ds_stpar.config import Layout, ModelSpec, Strategy
+from ds_stpar.errors import ConfigError
 from tests.distributed import run_workers
 
 TINY_GPT = ModelSpec("tiny-gpt", 2, 64, 4, vocab_size=256, max_position_embeddings=64)
@@ -166,7 +167,22 @@ def _spec_parity(rank: int, world: int) -> None:
             torch.testing.assert_close(
                 grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=f"{strategy.short()}: {name}"
             )
+    _check_pieces(ours.decoder.layers[0])
     parallel_state.destroy_model_parallel()
+
+
+def _check_pieces(layer) -> None:
+    """When an interleaved layer (4 pieces) runs in pieces and when it runs Megatron's forward."""
+    hidden = torch.empty(8, 6, 64)
+    assert layer.pieces_for(hidden, {}) == 2  # gcd(batch 6, 4)
+    assert layer.pieces_for(torch.empty(8, 3, 64), {}) == 1
+    assert layer.pieces_for(torch.empty(8, 8, 64), {}) == 4
+    assert layer.pieces_for(torch.empty(8, 8, 64), {"packed_seq_params": object()}) == 1
+    layer.hidden_dropout = 0.1  # a dropout mask per rank would differ between the ranks
+    assert layer.train().pieces_for(hidden, {}) == 1
+    assert layer.eval().pieces_for(hidden, {}) == 2
+    with pytest.raises(ConfigError, match="pieces >= 2"):
+        type(layer)(layer.config, layer.submodules_config, pieces=1)
 
 
 def test_gpt_with_stpar_spec_matches_megatron_local_spec():

@@ -109,9 +109,9 @@ class InterleavedTransformerLayer(TransformerLayer):
     """
 
     def __init__(self, *args, pieces: int = 2, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
         if pieces < 2:
             raise ConfigError(f"an interleaved layer needs pieces >= 2, got {pieces}")
+        super().__init__(*args, **kwargs)
         self.pieces = pieces
 
     def _tp_group(self):
