@@ -22,12 +22,12 @@ backward waits for it. Autograd runs the ready node created last first, so the b
 issues and overlaps in the forward's order reversed.
 
 Transport: the group's own collectives (``all_gather_single`` / ``reduce_scatter_single``,
-the ``*_into_tensor`` / ``*_tensor`` names before torch 2.13, and ``all_reduce``),
-issued on CUDA on the P2P side stream of :func:`~ds_stpar.layers.comm.p2p_stream` after the
-compute stream has written the input. At P = 2 each is one exchange with the neighbour, the
-ring's hop; NCCL's collective kernels move it at about twice the bandwidth of its
-send/receive pair, over host memory (NCCL_P2P_DISABLE=1) and over NVLink alike (2 x H100,
-BENCHMARKS.md, sixteenth session), so the ring's batched isend/irecv is not used here.
+the ``*_into_tensor`` / ``*_tensor`` names before torch 2.13, and ``all_reduce``) with
+``async_op=True``: NCCL runs them on its own stream after the work already queued on the
+current stream, and ``finish`` makes the current stream wait for them. At P = 2 each gather
+or reduce-scatter is one exchange with the neighbour, the ring's hop; NCCL's collective moved
+it at the rate of the ring's send/receive pair over host memory (2 x H100, BENCHMARKS.md,
+sixteenth session, calls 70-71) in one kernel per transfer with no hop bookkeeping.
 """
 
 from __future__ import annotations
@@ -38,39 +38,26 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ds_stpar.layers.comm import Group, p2p_stream
+from ds_stpar.layers.comm import Group
 
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class _InFlight:
-    """A collective issued; :meth:`finish` makes the current stream wait and returns ``out``.
+    """A collective issued; :meth:`finish` makes the current stream wait and returns ``out``
+    (the work holds its tensors until then)."""
 
-    The side stream then also waits for that point, so a buffer the side stream made and the
-    collective read is not handed out again by the caching allocator while it still reads.
-    """
-
-    def __init__(self, work, out: Tensor, inputs: Tensor):
-        self._work, self._out, self._inputs = work, out, inputs
+    def __init__(self, work, out: Tensor):
+        self._work, self._out = work, out
 
     def finish(self) -> Tensor:
         self._work.wait()
-        if self._out.is_cuda:
-            p2p_stream(self._out.device).wait_stream(torch.cuda.current_stream(self._out.device))
-        self._inputs = None
         return self._out
 
 
 def _issue(collective, out: Tensor, x: Tensor, group: Group) -> _InFlight:
-    if x.is_cuda:
-        side = p2p_stream(x.device)
-        side.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(side):
-            work = collective(out, x, group=group, async_op=True)
-    else:
-        work = collective(out, x, group=group, async_op=True)
-    return _InFlight(work, out, x)
+    return _InFlight(collective(out, x, group=group, async_op=True), out)
 
 
 def start_gather(x: Tensor, group: Group) -> _InFlight:
@@ -130,8 +117,6 @@ class _Finish(torch.autograd.Function):
     def forward(ctx, token: Tensor, transfer: Transfer, adjoint: Callable) -> Tensor:
         ctx.transfer, ctx.adjoint = transfer, adjoint
         result, transfer.forward = transfer.forward.finish(), None
-        if result.is_cuda:  # its buffer may come from the side stream's pool
-            result.record_stream(torch.cuda.current_stream(result.device))
         return result
 
     @staticmethod

@@ -107,9 +107,8 @@ class InFlightLimit:
 _LIMITS: dict[torch.device, InFlightLimit] = {}
 
 
-def p2p_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream every P2P batch of this process is issued on (one per CUDA device,
-    created on first use)."""
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One communication stream per CUDA device, created on first use."""
     if device not in _SIDE_STREAMS:
         _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
     return _SIDE_STREAMS[device]
@@ -163,7 +162,7 @@ def start_p2p(sends: Sequence[Message], recvs: Sequence[Message], group: Group) 
     device = ops[0].tensor.device
     if device.type != "cuda":
         return PendingP2P(dist.batch_isend_irecv(ops), received, None)
-    stream = p2p_stream(device)
+    stream = _side_stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         works = dist.batch_isend_irecv(ops)

@@ -76,7 +76,7 @@ from ds_stpar.layers.async_comm import (
     reduce_scatter_finish,
     reduce_scatter_start,
 )
-from ds_stpar.layers.linear import TemporalColumnParallelLinear, _TemporalLinear
+from ds_stpar.layers.linear import TemporalColumnParallelLinear, TemporalLinear
 
 ATTENTION_KWARGS = (
     "rotary_pos_emb",
@@ -90,7 +90,7 @@ ATTENTION_KWARGS = (
 @contextmanager
 def local_compute(*modules: torch.nn.Module):
     """Every temporal linear inside ``modules`` runs only its local GEMM while the block runs."""
-    linears = [m for module in modules for m in module.modules() if isinstance(m, _TemporalLinear)]
+    linears = [m for module in modules for m in module.modules() if isinstance(m, TemporalLinear)]
     for linear in linears:
         linear.local_compute = True
     try:
@@ -136,7 +136,7 @@ class InterleavedTransformerLayer(TransformerLayer):
             and not self.offload_mlp_norm
             and not (self.training and self.hidden_dropout > 0)
             and all(
-                isinstance(m, _TemporalLinear) and (m.bias is None or m.skip_bias_add)
+                isinstance(m, TemporalLinear) and (m.bias is None or m.skip_bias_add)
                 for m in rows_linears
             )
         )

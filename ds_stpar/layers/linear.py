@@ -92,7 +92,7 @@ def _check_divisible(what: str, value: int, by: int, why: str) -> None:
         raise ConfigError(f"{what}={value} must be divisible by {by} ({why})")
 
 
-class _TemporalLinear(torch.nn.Module):
+class TemporalLinear(torch.nn.Module):
     """What both layers share: group and mode checks, weight creation, checkpoint sharding.
 
     ``local_compute`` (set by :func:`ds_stpar.layers.interleave.local_compute` for the length
@@ -259,7 +259,7 @@ class _TemporalLinear(torch.nn.Module):
         )
 
 
-class TemporalColumnParallelLinear(_TemporalLinear):
+class TemporalColumnParallelLinear(TemporalLinear):
     """Y = X W^T + b with W split along its output dim; Megatron ColumnParallelLinear's
     interface with sequence parallelism: ``y_shard_n [s, b, N/P] = f(x_shard_m [s/P, b, K])``.
 
@@ -353,7 +353,7 @@ class TemporalColumnParallelLinear(_TemporalLinear):
         return self._with_bias(output)
 
 
-class TemporalRowParallelLinear(_TemporalLinear):
+class TemporalRowParallelLinear(TemporalLinear):
     """Y = X W^T + b with W split along its input dim; Megatron RowParallelLinear's
     interface with sequence parallelism: ``y_shard_m [s/P, b, N] = f(x_shard_k [s, b, K/P])``.
 
