@@ -7,6 +7,7 @@ needs)::
     torchrun --nproc_per_node 4 bench/layers.py --label nvlink --out layers-nvlink.json
     NCCL_P2P_DISABLE=1 torchrun --nproc_per_node 4 bench/layers.py --label slow --out slow.json
     # subsets: --cases mlp --hidden 8192 --tokens 16K,32K --variants megatron-sp,ring,cannon
+    # GPU timelines of one step per variant, for bench/timeline.py: --trace-dir DIR
     # CPU smoke run of every code path but async-TP (gloo, tiny shapes; numbers mean nothing):
     torchrun --nproc_per_node 4 bench/layers.py --cpu --hidden 64 --head-dim 16 --tokens 64 --seq 32
 
