@@ -4,6 +4,10 @@
   Megatron-core's ColumnParallelLinear / RowParallelLinear (``tp_mode`` "ring" or "cannon").
 - ``comm``: batched-P2P patterns (ring shift, rotating accumulator, torus shifts, block
   exchange), each a differentiable function taking an explicit process group.
+- ``interleave``: :class:`~ds_stpar.layers.interleave.InterleavedTransformerLayer`, a
+  Megatron layer run in micro-batch pieces whose transfers (``async_comm``: started in one
+  autograd node, finished in a later one) hide behind each other's compute; its linears run
+  their local GEMMs (``local``). The spec's ``interleave=k`` selects it.
 - ``megatron_weight_order`` / ``shard_offsets`` / ``take_block``: how a weight is sharded.
 - :func:`apply_stpar` / :func:`full_state_dict`: shard a HuggingFace causal LM through its
   ``base_model_tp_plan`` and gather it back (``hf.py``).
