@@ -352,3 +352,21 @@ def test_fused_ring_mlp_flag_from_the_environment(monkeypatch):
     assert get_gpt_layer_stpar_spec("ring", fused_ring_mlp=False).submodules.mlp.params == {
         "fused_ring": False
     }
+
+
+def test_interleave_from_the_environment(monkeypatch):
+    # DS_STPAR_INTERLEAVE=k (k >= 2) builds the interleaved layer in k pieces for the ring,
+    # 0 keeps Megatron's layer, anything but a whole number is refused with the name.
+    from ds_stpar.layers.interleave import InterleavedTransformerLayer
+    from ds_stpar.layers.megatron_spec import get_gpt_layer_stpar_spec
+
+    monkeypatch.setenv("DS_STPAR_INTERLEAVE", "4")
+    spec = get_gpt_layer_stpar_spec("ring")
+    assert spec.module is InterleavedTransformerLayer and spec.params == {"pieces": 4}
+    assert get_gpt_layer_stpar_spec("megatron").module is not InterleavedTransformerLayer
+    monkeypatch.setenv("DS_STPAR_INTERLEAVE", "0")
+    assert get_gpt_layer_stpar_spec("ring").module is not InterleavedTransformerLayer
+    monkeypatch.setenv("DS_STPAR_INTERLEAVE", "two")
+    with pytest.raises(ConfigError, match="DS_STPAR_INTERLEAVE must be a whole number"):
+        get_gpt_layer_stpar_spec("ring")
+    assert get_gpt_layer_stpar_spec("ring", interleave=2).params == {"pieces": 2}

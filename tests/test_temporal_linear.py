@@ -408,6 +408,10 @@ def check_errors(group) -> None:
             _column(group, "cannon", 5)
     with pytest.raises(ConfigError, match="ColumnParallelLinear"):
         _column(group, "megatron", 5)
+    biased = _row(group, "ring", 5)  # adds its bias itself (skip_bias_add=False)
+    biased.local_compute = True  # a partial sum: the bias would be added on every rank
+    with pytest.raises(ConfigError, match="skip_bias_add=True"):
+        biased(torch.zeros(S, B, FFN // size))
     layer = _column(group, "ring", 5, fusion=True)
     with pytest.raises(ConfigError, match="main_grad"):
         layer(torch.zeros(S // size, B, HIDDEN))

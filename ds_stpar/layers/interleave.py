@@ -146,7 +146,6 @@ class InterleavedTransformerLayer(TransformerLayer):
         count = 1 if args else self.pieces_for(hidden_states, kwargs)
         if count == 1:
             return super().forward(hidden_states, *args, **kwargs)
-        kwargs.pop("dynamic_inference_decode_only", None)
         group = self._tp_group()
         masks = _split_mask(kwargs.pop("attention_mask", None), hidden_states.shape[1], count)
         extra = {name: kwargs[name] for name in ATTENTION_KWARGS if kwargs.get(name) is not None}
@@ -154,11 +153,9 @@ class InterleavedTransformerLayer(TransformerLayer):
         sums, residuals = [], []
         for gather, mask in zip(gathers, masks, strict=True):
             full = gather_finish(*gather)
-            norm = CheckpointWithoutOutput(fp8=None)  # None: no fp8 (False reads as fp8 on)
-            normed = norm.checkpoint(self.input_layernorm, full)
-            with local_compute(self.self_attention):
-                out, bias = self.self_attention(normed, attention_mask=mask, **extra)
-            norm.discard_output_and_register_recompute(out)
+            out, bias = _after_norm(
+                self.input_layernorm, self.self_attention, full, attention_mask=mask, **extra
+            )
             sums.append((all_reduce_start(out, group), bias))
             residuals.append(full)
         reduces = []
@@ -167,11 +164,7 @@ class InterleavedTransformerLayer(TransformerLayer):
                 middle = self.self_attn_bda(self.training, self.config.bias_dropout_fusion)(
                     (all_reduce_finish(token, transfer), bias), full, self.hidden_dropout
                 )
-            norm = CheckpointWithoutOutput(fp8=None)  # None: no fp8 (False reads as fp8 on)
-            normed = norm.checkpoint(self.pre_mlp_layernorm, middle)
-            with local_compute(self.mlp):
-                out, bias = self.mlp(normed)
-            norm.discard_output_and_register_recompute(out)
+            out, bias = _after_norm(self.pre_mlp_layernorm, self.mlp, middle)
             reduces.append((reduce_scatter_start(out, group), bias, _own_rows(middle, group)))
         outputs = []
         for (token, transfer), bias, middle in reduces:
@@ -186,6 +179,19 @@ class InterleavedTransformerLayer(TransformerLayer):
             inp=output, requires_grad=output.requires_grad, keep_graph=True
         )
         return output, None
+
+
+def _after_norm(norm: torch.nn.Module, block: torch.nn.Module, x: Tensor, **kwargs):
+    """``block(norm(x), **kwargs)`` with the block's linears local, the norm's output freed
+    once the block has run and recomputed from ``x`` when the backward reaches the block's
+    output (Megatron's ``CheckpointWithoutOutput``; ``fp8=None``: no fp8, ``False`` reads
+    as on). Returns the block's ``(output, bias)``."""
+    checkpoint = CheckpointWithoutOutput(fp8=None)
+    normed = checkpoint.checkpoint(norm, x)
+    with local_compute(block):
+        out, bias = block(normed, **kwargs)
+    checkpoint.discard_output_and_register_recompute(out)
+    return out, bias
 
 
 def _own_rows(full: Tensor, group) -> Tensor:
