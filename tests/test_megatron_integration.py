@@ -1,5 +1,6 @@
 """megatron-core GPT built from ModelSpec/Strategy with explicit groups."""
 
+import dataclasses
 import math
 import os
 
@@ -78,10 +79,23 @@ def _record_pieces(layers, calls: list[int]) -> None:
         layer.pieces_for = pieces_for
 
 
-def _spec_parity(rank: int, world: int) -> None:
+SPEC_VARIANTS = (  # tp_mode, fused ring MLP, recompute, interleave pieces
+    ("megatron", True, "none", 0),
+    ("ring", True, "none", 0),
+    ("ring", True, "full", 0),
+    ("ring", False, "none", 0),
+    ("ring", True, "none", 2),  # the batch in 2 pieces, interleaved
+    ("ring", True, "none", 4),
+    ("ring", True, "full", 2),  # in pieces inside Megatron's layer checkpoints
+)
+
+
+def _spec_parity(
+    rank: int, world: int, spec: ModelSpec = TINY_LLAMA, variants: tuple = SPEC_VARIANTS
+) -> None:
     """GPTModel with ds_stpar's spec (Megatron linears + SP; ring with its MLP fused, fused
     under full activation recompute, as two ring linears, and in the layer that interleaves
-    two batch halves) vs Megatron's local spec."""
+    pieces of the batch) vs Megatron's local spec."""
     from ds_stpar.integrations import megatron_cpu
 
     megatron_cpu.apply()
@@ -94,7 +108,6 @@ def _spec_parity(rank: int, world: int) -> None:
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    spec = TINY_LLAMA
     seq, batch = 16, 4
 
     def build(layer_spec, config):
@@ -129,15 +142,6 @@ def _spec_parity(rank: int, world: int) -> None:
         return loss.detach(), grads
 
     ref_loss, ref_grads = loss_and_grads(reference)
-    variants = (
-        ("megatron", True, "none", 0),
-        ("ring", True, "none", 0),
-        ("ring", True, "full", 0),
-        ("ring", False, "none", 0),
-        ("ring", True, "none", 2),  # the batch in 2 pieces, interleaved
-        ("ring", True, "none", 4),
-        ("ring", True, "full", 2),  # in pieces inside Megatron's layer checkpoints
-    )
     for tp_mode, fused, recompute, interleave in variants:
         strategy = Strategy(
             Layout(tp=world, tp_mode=tp_mode),
@@ -190,6 +194,15 @@ def _check_pieces(layer) -> None:
 
 def test_gpt_with_stpar_spec_matches_megatron_local_spec():
     run_workers(_spec_parity, 2)
+
+
+def test_interleaved_layer_matches_megatron_at_tp4():
+    # 4 ranks: the pieces' gathers, all-reduces and reduce-scatters over more than one
+    # neighbour, ranks 1 and 2 holding middle chunks (their own rows and the residual slice
+    # sit between the others'), 4 pieces of a batch of 4 as well as 2.
+    spec = dataclasses.replace(TINY_LLAMA, num_query_groups=4)
+    interleaved = tuple(v for v in SPEC_VARIANTS if v[0] == "megatron" or v[3])
+    run_workers(_spec_parity, 4, spec, interleaved)
 
 
 def _glu_masters(spec: ModelSpec) -> dict[str, torch.Tensor]:
