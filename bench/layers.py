@@ -8,6 +8,7 @@ needs)::
     NCCL_P2P_DISABLE=1 torchrun --nproc_per_node 4 bench/layers.py --label slow --out slow.json
     # subsets: --cases mlp --hidden 8192 --tokens 16K,32K --variants megatron-sp,ring,cannon
     # GPU timelines of one step per variant, for bench/timeline.py: --trace-dir DIR
+    # what is alive at each variant's peak (bench/memtrace.py), in the JSON rows: --memory-trace
     # CPU smoke run of every code path but async-TP (gloo, tiny shapes; numbers mean nothing):
     torchrun --nproc_per_node 4 bench/layers.py --cpu --hidden 64 --head-dim 16 --tokens 64 --seq 32
 
@@ -258,6 +259,7 @@ class Row:
     status: str = "ok"
     note: str = ""
     times_ms: list[float] = field(default_factory=list)
+    memory_trace: dict | None = None  # --memory-trace: rank 0's peak by source line
 
 
 def finish_rows(rows: list[Row], flops: float) -> None:
@@ -346,6 +348,7 @@ class Runtime:
     label: str
     ring_piecing: dict[str, float]  # ring_mlp's pieces / min_piece_flop (unset: its defaults)
     trace_dir: str | None = None  # --trace-dir: one traced step per variant there
+    memory_trace: bool = False  # --memory-trace: one more step under the allocator's history
 
     @property
     def cuda(self) -> bool:
@@ -946,6 +949,8 @@ def time_variant(variant: str, case: Case, rt: Runtime, async_name, full) -> Row
             trace_step(
                 built, xs[0], dys[0], rt, f"{case.block}-{case.hidden}-{case.tokens}-{variant}"
             )
+        if rt.memory_trace and rt.cuda:
+            row.memory_trace = memory_trace_step(built, xs[0], dys[0], rt)
     except Exception as err:
         traceback.print_exc()
         ok, note = False, f"{type(err).__name__}: {err}"[:300]
@@ -969,6 +974,21 @@ def trace_step(built: Built, x: Tensor, dy: Tensor, rt: Runtime, name: str) -> N
     prof.export_chrome_trace(
         os.path.join(rt.trace_dir, f"{rt.label}-{name}-rank-{rt.rank}.json.gz")
     )
+
+
+def memory_trace_step(built: Built, x: Tensor, dy: Tensor, rt: Runtime) -> dict:
+    """One more step under the caching allocator's history: the peak above what was allocated
+    when the step began and what is alive there by source line (bench/memtrace.py)."""
+    import memtrace
+
+    torch.cuda.memory._record_memory_history(stacks="python")
+    try:
+        run_step(built, x, dy)
+        rt.sync()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    return memtrace.summarize(snapshot, rt.device.index)
 
 
 def ring_overlap(case: Case, rt: Runtime, async_name: str | None, full) -> dict:
@@ -1105,6 +1125,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="after timing each variant, trace one more step into this folder (bench/timeline.py)",
     )
+    parser.add_argument(
+        "--memory-trace",
+        action="store_true",
+        help="after timing each variant, one more step under the CUDA allocator's history: "
+        "what is alive at its peak, by source line, in the JSON rows and printed on rank 0",
+    )
     parser.add_argument("--cpu", action="store_true", help="gloo on CPU (smoke test only)")
     args = parser.parse_args(argv)
     if min(args.repeats, args.pool, args.seq, args.head_dim) < 1 or args.warmup < 0:
@@ -1165,6 +1191,7 @@ def init_runtime(args: argparse.Namespace) -> Runtime:
         pool=args.pool,
         label=args.label,
         trace_dir=args.trace_dir,
+        memory_trace=args.memory_trace,
         ring_piecing={
             key: value
             for key, value in (

@@ -7,8 +7,9 @@ allocated bytes (blocks allocated before the recording started are not in the tr
 as the base), the event where it peaks, and the blocks alive there. :func:`group_by_site`
 sums them by the innermost frame outside torch's own files, so a row reads "megatron/core/...
 /layers.py:512 forward: 3.2 GiB in 48 blocks". Used by bench/planner_accuracy.py
-``--memory-trace``: the planner's memory model names activations, states and buffers; this
-says which of the measured bytes are which.
+``--memory-trace`` (the planner's memory model names activations, states and buffers; this
+says which of the measured bytes are which) and bench/layers.py ``--memory-trace`` (what a
+layer variant holds at its peak).
 """
 
 from __future__ import annotations
