@@ -35,9 +35,9 @@ Variants (named for any P; before P was general they were ``megatron-tp2-sp`` an
 - ``ring``: ds_stpar's ring as its Megatron spec runs it: the MLP block as one fused ring pass
   (``ds_stpar.layers.ring_mlp``, what ``StparMLP`` runs), the layer's QKV / projection as
   TemporalColumnParallelLinear / TemporalRowParallelLinear with tp_mode="ring".
-- ``ring-linear``: fc1 and fc2 as two separate ring layers (the per-linear ring, as
-  ``apply_stpar`` puts it into HF models; the layer from the spec with
-  ``fused_ring_mlp=False``).
+- ``ring-linear``: fc1's and fc2's ring passes one after the other, in one node that saves
+  fc1's output A only and recomputes the activation (``ring_two_pass_mlp``), as ``StparMLP``
+  runs them: the layer from the spec with ``fused_ring_mlp=False``.
 - ``ring-interleaved``, ``ring-interleaved-4``: layer only.
   ``get_gpt_layer_stpar_spec("ring", interleave=k)``, k = 2 / 4:
   :class:`~ds_stpar.layers.interleave.InterleavedTransformerLayer` runs k pieces of the batch
@@ -461,6 +461,17 @@ class RingMLPBlock(MLPBlock):
         return ring_mlp(x, fc1.weight, None, fc2.weight, F.gelu, fc1.tp_group, **self.piecing)
 
 
+class RingTwoPassMLPBlock(MLPBlock):
+    """The same block as fc1's and fc2's ring passes in one node that recomputes the
+    activation (``ring_two_pass_mlp``), as ``StparMLP`` runs ``fused_ring_mlp=False``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        from ds_stpar.layers.ring_mlp import ring_two_pass_mlp
+
+        fc1, fc2 = self.fc1, self.fc2
+        return ring_two_pass_mlp(x, fc1.weight, None, fc2.weight, F.gelu, fc1.tp_group)
+
+
 class PlainLinear(torch.nn.Module):
     """F.linear with an [out, in] weight and no communication; returns (y, None).
     ``partition_dim``: the axis of the full weight its block is cut along (0 for fc1, 1 for fc2)."""
@@ -648,7 +659,12 @@ def build_mlp(variant: str, case: Case, rt: Runtime, async_name: str | None) -> 
             tp_group=group,
             **extra,
         )
-        block = RingMLPBlock(fc1, fc2, rt.ring_piecing) if variant == "ring" else MLPBlock(fc1, fc2)
+        if variant == "ring":
+            block = RingMLPBlock(fc1, fc2, rt.ring_piecing)
+        elif variant == "ring-linear":
+            block = RingTwoPassMLPBlock(fc1, fc2)
+        else:
+            block = MLPBlock(fc1, fc2)
         block = block.to(rt.device)
         return Built(block, block, sp, tp_shard)
     if variant == "async-tp":

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from ds_stpar.config import Layout
 from ds_stpar.errors import ConfigError
 from ds_stpar.layers import TemporalColumnParallelLinear, TemporalRowParallelLinear
-from ds_stpar.layers.ring_mlp import ring_mlp
+from ds_stpar.layers.ring_mlp import ring_mlp, ring_two_pass_mlp
 from ds_stpar.parallel import GroupCache
 from tests.distributed import run_workers
 
@@ -250,10 +250,13 @@ def check_mlp(group, mode, seed, *, glu: bool) -> None:
     _close(fc2.weight.grad, _weight_block(ref2.weight.grad, mode, 1, me, size), what)
 
 
-def check_ring_mlp(group, seed, *, glu: bool, fusion: bool, pieces: int, dx: bool = True) -> None:
-    """The fused ring MLP (``ring_mlp``) vs float64: fc1 + bias -> activation -> fc2 (its bias
-    is the caller's). ``pieces`` > 1 cuts each partial-sum hop into row pieces (pieces of one
-    row allowed here, so the 4-8 rows of a chunk give uneven pieces)."""
+def check_ring_mlp(
+    group, seed, *, glu: bool, fusion: bool, pieces: int, dx: bool = True, two_pass: bool = False
+) -> None:
+    """The fused ring MLP (``ring_mlp``) or the two-pass one (``ring_two_pass_mlp``) vs
+    float64: fc1 + bias -> activation -> fc2 (its bias is the caller's). ``pieces`` > 1 cuts
+    each partial-sum hop of the fused pass into row pieces (pieces of one row allowed here, so
+    the 4-8 rows of a chunk give uneven pieces)."""
     size, me = group.size(), group.rank()
     fc1_out, stride = (2 * FFN, 2) if glu else (FFN, 1)
     fc1 = _column(group, "ring", seed, out=fc1_out, stride=stride, fusion=fusion)
@@ -266,9 +269,11 @@ def check_ring_mlp(group, seed, *, glu: bool, fusion: bool, pieces: int, dx: boo
     act = _activation(glu)
     x_full = _rand(seed + 2, S, B, HIDDEN).requires_grad_()
     x = _seq_chunk(x_full.detach(), me, size).float().requires_grad_(dx)
-    y = ring_mlp(x, fc1.weight, fc1.bias, fc2.weight, act, group, *main_grads, pieces, 0)
+    args = (x, fc1.weight, fc1.bias, fc2.weight, act, group, *main_grads)
+    y = ring_two_pass_mlp(*args) if two_pass else ring_mlp(*args, pieces, 0)
     y_ref = F.linear(act(ref1(x_full)), ref2.weight)
-    what = f"ring_mlp {'glu' if glu else 'gelu'} P={size} fusion={fusion} pieces={pieces}"
+    name = "ring_two_pass_mlp" if two_pass else f"ring_mlp pieces={pieces}"
+    what = f"{name} {'glu' if glu else 'gelu'} P={size} fusion={fusion}"
     _close(y, _seq_chunk(y_ref, me, size).detach(), f"{what}: output")
     grad = _rand(seed + 3, S, B, HIDDEN)
     y.backward(_seq_chunk(grad, me, size).float())
@@ -467,6 +472,8 @@ def _all_layer_checks(group, mode, seed) -> None:
         check_ring_mlp(group, seed + 1300, glu=True, fusion=False, pieces=3)
         check_ring_mlp(group, seed + 1400, glu=True, fusion=True, pieces=2)
         check_ring_mlp(group, seed + 1500, glu=False, fusion=False, pieces=3, dx=False)
+        check_ring_mlp(group, seed + 1600, glu=False, fusion=False, pieces=1, two_pass=True)
+        check_ring_mlp(group, seed + 1700, glu=True, fusion=True, pieces=1, two_pass=True)
 
 
 def _worker(rank: int, world_size: int) -> None:
@@ -483,6 +490,7 @@ def _worker(rank: int, world_size: int) -> None:
     check_column(single, "ring", 70_000 + rank)
     check_row(single, "ring", 71_000 + rank)
     check_ring_mlp(single, 72_000 + rank, glu=True, fusion=False, pieces=2)
+    check_ring_mlp(single, 73_000 + rank, glu=True, fusion=False, pieces=1, two_pass=True)
 
 
 @pytest.mark.dist

@@ -6,14 +6,17 @@ attributes and checkpoint keys, so a model moves between the specs by its dist c
 - **ring**: with a ring fc1 and fc2 in a TP group of P > 1, the forward runs the whole block as
   one ring pass (:func:`~ds_stpar.layers.ring_mlp.ring_mlp`): each hop overlaps both GEMMs of a
   chunk, fc2's partial sums leave in row pieces, and act(A) is recomputed in the backward
-  instead of saved. Cases the fused pass does not cover run Megatron's forward over the
-  per-linear ring layers (same result): ``per_token_scale`` (MoE experts), Transformer
-  Engine activations, ``bias_activation_fusion`` (Megatron's fused kernels, tanh GELU), fp8
-  activation storage.
+  instead of saved. With ``fused_ring=False`` the two ring linears run one after the other in
+  one node (:func:`~ds_stpar.layers.ring_mlp.ring_two_pass_mlp`), which also saves A only,
+  recomputes act(A) and writes dA over A in its backward. Cases where the
+  ring cannot own the activation run Megatron's forward over the per-linear ring layers (same
+  result): ``per_token_scale`` (MoE experts), Transformer Engine activations,
+  ``bias_activation_fusion`` (Megatron's fused kernels: the fused SwiGLU the GPU runs select,
+  tanh GELU), fp8 activation storage.
 - **inside an interleaved layer** (its linears in ``local_compute`` mode, the transfers
-  outside): in the cases the fused pass covers, fc1's GEMM then act(A) W2^T saving A only
-  (:func:`~ds_stpar.layers.local.activation_linear`), so the block keeps the fused pass's
-  memory: Megatron's forward would keep act(A) as well.
+  outside): in the same cases, fc1's GEMM then act(A) W2^T saving A only
+  (:func:`~ds_stpar.layers.local.activation_linear`): Megatron's forward would keep act(A) as
+  well.
 - **Cannon, gated fc1**: fc1's weight is saved with
   :func:`~ds_stpar.layers.cannon_mlp.cannon_glu_factory` instead of Megatron's row-split GLU
   factory.
@@ -27,13 +30,13 @@ from torch import Tensor
 
 from ds_stpar.layers.cannon_mlp import cannon_glu_factory
 from ds_stpar.layers.local import activation_linear
-from ds_stpar.layers.ring_mlp import ring_mlp
+from ds_stpar.layers.ring_mlp import ring_mlp, ring_two_pass_mlp
 from ds_stpar.layers.wgrad import fused_main_grad
 
 
 class StparMLP(MLP):
-    """Megatron's MLP with the fused ring forward and the Cannon GLU checkpoint view (module
-    docstring). ``fused_ring=False`` keeps Megatron's forward over two ring linears."""
+    """Megatron's MLP with the ring forwards and the Cannon GLU checkpoint view (module
+    docstring). ``fused_ring=False``: two ring linears, the activation inside fc2's."""
 
     def __init__(self, *args, fused_ring: bool = True, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -42,11 +45,12 @@ class StparMLP(MLP):
     def _tp_mode(self) -> str | None:
         return getattr(self.linear_fc1, "tp_mode", None)
 
-    def _fused_ring(self, per_token_scale: Tensor | None) -> bool:
+    def _ring_owns_activation(self, per_token_scale: Tensor | None) -> bool:
+        """Whether a ring forward runs the block and computes act itself (the fused pass or the
+        two-pass node): ring fc1 and fc2 over P > 1 and an activation it can recompute."""
         fc1, fc2, cfg = self.linear_fc1, self.linear_fc2, self.config
         return (
-            self.fused_ring
-            and self._tp_mode() == "ring"
+            self._tp_mode() == "ring"
             and getattr(fc2, "tp_mode", None) == "ring"
             and fc1.tp_group.size() > 1
             and fc1.weight is not None
@@ -70,16 +74,16 @@ class StparMLP(MLP):
 
     def forward(self, hidden_states: Tensor, per_token_scale: Tensor | None = None, **kwargs):
         """[s/P, b, h] -> ([s/P, b, h], fc2 bias or None), as Megatron's MLP."""
-        if not self._fused_ring(per_token_scale):
+        if not self._ring_owns_activation(per_token_scale):
             return super().forward(hidden_states, per_token_scale, **kwargs)
         fc1, fc2 = self.linear_fc1, self.linear_fc2
+        main_grad2 = fused_main_grad(fc2.weight, fc2.gradient_accumulation_fusion)
         if fc1.local_compute and fc2.local_compute:
             a, bias = fc1(hidden_states)
             a = a + bias if bias is not None else a
-            main_grad = fused_main_grad(fc2.weight, fc2.gradient_accumulation_fusion)
-            return activation_linear(a, fc2.weight, self._activation, main_grad), fc2.bias
+            return activation_linear(a, fc2.weight, self._activation, main_grad2), fc2.bias
         fc1._check_input(hidden_states, fc1.input_size)
-        output = ring_mlp(
+        output = (ring_mlp if self.fused_ring else ring_two_pass_mlp)(
             hidden_states,
             fc1.weight,
             fc1.bias,
@@ -87,7 +91,7 @@ class StparMLP(MLP):
             self._activation,
             fc1.tp_group,
             fused_main_grad(fc1.weight, fc1.gradient_accumulation_fusion),
-            fused_main_grad(fc2.weight, fc2.gradient_accumulation_fusion),
+            main_grad2,
         )
         return fc2._with_bias(output)
 

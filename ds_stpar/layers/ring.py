@@ -17,6 +17,9 @@ Row, ``y_shard_m = ring_row_linear(x_shard_k, w_shard_k)``::
     forward:  Y[d] = sum_e X_e[d] W_e^T     by the rotating accumulator (no reduce-scatter)
     backward: chunks of dY rotate; step t: dX[c] = dY[c] W_d,  dW_d += dY[c]^T X[c]
 
+The row pass can take an activation in front (act(X) W^T chunk by chunk), for the MLP's
+two-pass node (``ring_mlp.ring_two_pass_mlp``), which composes these passes.
+
 Versus Megatron TP+SP: the all-gather / reduce-scatter become P-1 neighbour hops of the same
 volume ((P-1)/P of the activation) of which only the first is exposed, the rest hiding behind
 the sub-GEMMs; no all-reduce; the column saves only its local input chunk and never holds the
@@ -29,11 +32,52 @@ import torch
 from torch import Tensor
 
 from ds_stpar.layers.comm import Group, ring_pass
+from ds_stpar.layers.local import Activation
 from ds_stpar.layers.wgrad import WeightGrad
 
 
 def _rows(x: Tensor, index: int, rows: int) -> Tensor:
     return x[index * rows : (index + 1) * rows]
+
+
+def column_forward(x_tokens: Tensor, w_shard_n: Tensor, group: Group) -> Tensor:
+    """[rows, K] (chunk d) -> [P rows, N/P]: every chunk of X through this rank's W_d."""
+    rows = x_tokens.shape[0]
+    y_tokens = x_tokens.new_empty(group.size() * rows, w_shard_n.shape[0])
+    ring_pass(
+        group,
+        rotate=x_tokens,
+        visit=lambda c, x_c: torch.mm(x_c, w_shard_n.t(), out=_rows(y_tokens, c, rows)),
+    )
+    return y_tokens
+
+
+def column_backward(
+    x_tokens: Tensor,
+    w_shard_n: Tensor,
+    dy_tokens: Tensor,
+    group: Group,
+    need_dx: bool,
+    wgrad: WeightGrad | None,
+) -> Tensor | None:
+    """dX chunk d by the rotating accumulator; dW into ``wgrad`` as X rotates again."""
+    rows = x_tokens.shape[0]
+    return ring_pass(
+        group,
+        rotate=x_tokens if wgrad is not None else None,
+        visit=(lambda c, x_c: wgrad.add(_rows(dy_tokens, c, rows), x_c)) if wgrad else None,
+        partial=(lambda m: _rows(dy_tokens, m, rows) @ w_shard_n) if need_dx else None,
+    )
+
+
+def row_forward(
+    x_tokens: Tensor, w_shard_k: Tensor, group: Group, act: Activation | None = None
+) -> Tensor:
+    """[P rows, K/P] -> [rows, N] (chunk d) by the rotating accumulator; ``act`` in front."""
+    rows = x_tokens.shape[0] // group.size()
+    if act is None:
+        return ring_pass(group, partial=lambda m: _rows(x_tokens, m, rows) @ w_shard_k.t())
+    return ring_pass(group, partial=lambda m: act(_rows(x_tokens, m, rows)) @ w_shard_k.t())
 
 
 class _RingColumnLinear(torch.autograd.Function):
@@ -42,33 +86,20 @@ class _RingColumnLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_shard_m: Tensor, w_shard_n: Tensor, group: Group, main_grad):
-        size = group.size()
         x_tokens = x_shard_m.reshape(-1, x_shard_m.shape[-1])
-        rows = x_tokens.shape[0]
-        y_tokens = x_tokens.new_empty(size * rows, w_shard_n.shape[0])
-        ring_pass(
-            group,
-            rotate=x_tokens,
-            visit=lambda c, x_c: torch.mm(x_c, w_shard_n.t(), out=_rows(y_tokens, c, rows)),
-        )
+        y_tokens = column_forward(x_tokens, w_shard_n, group)
         ctx.save_for_backward(x_shard_m, w_shard_n)
         ctx.group, ctx.main_grad = group, main_grad
-        return y_tokens.view(size * x_shard_m.shape[0], *x_shard_m.shape[1:-1], -1)
+        return y_tokens.view(group.size() * x_shard_m.shape[0], *x_shard_m.shape[1:-1], -1)
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
         x_shard_m, w_shard_n = ctx.saved_tensors
         x_tokens = x_shard_m.reshape(-1, x_shard_m.shape[-1])
-        rows = x_tokens.shape[0]
         dy_tokens = grad_output.contiguous().view(-1, w_shard_n.shape[0])
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         wgrad = WeightGrad(w_shard_n, ctx.main_grad) if need_dw else None
-        dx_tokens = ring_pass(
-            ctx.group,
-            rotate=x_tokens if need_dw else None,
-            visit=(lambda c, x_c: wgrad.add(_rows(dy_tokens, c, rows), x_c)) if need_dw else None,
-            partial=(lambda m: _rows(dy_tokens, m, rows) @ w_shard_n) if need_dx else None,
-        )
+        dx_tokens = column_backward(x_tokens, w_shard_n, dy_tokens, ctx.group, need_dx, wgrad)
         dx = dx_tokens.view(x_shard_m.shape) if need_dx else None
         dw = wgrad.result(x_shard_m.dtype) if need_dw else None
         return dx, dw, None, None
@@ -82,8 +113,7 @@ class _RingRowLinear(torch.autograd.Function):
     def forward(ctx, x_shard_k: Tensor, w_shard_k: Tensor, group: Group, main_grad):
         size = group.size()
         x_tokens = x_shard_k.reshape(-1, x_shard_k.shape[-1])
-        rows = x_tokens.shape[0] // size
-        y_tokens = ring_pass(group, partial=lambda m: _rows(x_tokens, m, rows) @ w_shard_k.t())
+        y_tokens = row_forward(x_tokens, w_shard_k, group)
         ctx.save_for_backward(x_shard_k, w_shard_k)
         ctx.group, ctx.main_grad = group, main_grad
         return y_tokens.view(x_shard_k.shape[0] // size, *x_shard_k.shape[1:-1], -1)

@@ -30,6 +30,14 @@ elementwise pass. Against Megatron TP+SP, which saves X's own chunk, A and act(A
 (``M K/P + M F/P + M F'/P``), this holds ``M K + M F/P``: at P = 2 with F = F' = 4K, 3 MK
 instead of 4.5 MK. Communication volume equals Megatron's all-gather / reduce-scatter minus
 the backward's re-gather of X: four streams of (P-1)/P of the activation instead of five.
+
+**Two passes**, :func:`ring_two_pass_mlp`: fc1's column pass, act, fc2's row pass
+(``ring.py``'s passes, each hop beside its own linear's sub-GEMM only), in one autograd node
+that owns A: it saves A and X's own chunk, not act(A) (the row's backward recomputes it per
+dY chunk) and writes dA over A chunk by chunk, so the backward holds A and one chunk's
+act(A), dact(A) and dA where Megatron's MLP holds A, act(A) and a whole dact(A)
+(BENCHMARKS.md, seventeenth session). Communication: the two linears' own (the
+column's backward rotates X again for dW).
 """
 
 from __future__ import annotations
@@ -40,11 +48,10 @@ import torch
 from torch import Tensor
 
 from ds_stpar.layers.comm import Group, Message, PendingP2P, ring_pass, start_p2p
-from ds_stpar.layers.local import recompute_activation
+from ds_stpar.layers.local import Activation, recompute_activation
+from ds_stpar.layers.ring import column_backward, column_forward, row_forward
 from ds_stpar.layers.wgrad import WeightGrad
 from ds_stpar.planner.tensor_parallel import MIN_PIECE_FLOP, PIECES, piece_count
-
-Activation = Callable[[Tensor], Tensor]
 
 _ROTATE_TAG = 0  # gloo tells the streams apart by tag (NCCL by order, the same on every rank)
 
@@ -226,4 +233,65 @@ def ring_mlp(
         main_grad1,
         main_grad2,
         (pieces, min_piece_flop),
+    )
+
+
+class _RingTwoPassMLP(torch.autograd.Function):
+    """fc1's column pass, act, fc2's row pass; A owned, dA written over it (module
+    docstring, "Two passes")."""
+
+    @staticmethod
+    def forward(ctx, x_shard_m, w1, b1, w2, act, group, main_grad1, main_grad2):
+        x_tokens = x_shard_m.reshape(-1, x_shard_m.shape[-1])
+        a_tokens = column_forward(x_tokens, w1, group)
+        if b1 is not None:
+            a_tokens.add_(b1)
+        y_tokens = row_forward(a_tokens, w2, group, act)
+        ctx.save_for_backward(x_shard_m, a_tokens, w1, b1, w2)
+        ctx.act, ctx.group = act, group
+        ctx.main_grads = (main_grad1, main_grad2)
+        return y_tokens.view(*x_shard_m.shape[:-1], w2.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        x_shard_m, a_tokens, w1, b1, w2 = ctx.saved_tensors
+        need_dx, need_dw1, need_db1, need_dw2 = ctx.needs_input_grad[:4]
+        x_tokens = x_shard_m.reshape(-1, x_shard_m.shape[-1])
+        rows = x_tokens.shape[0]
+        dy_tokens = grad_output.contiguous().view(rows, w2.shape[0])
+        wgrad2 = WeightGrad(w2, ctx.main_grads[1]) if need_dw2 else None
+
+        def visit(c: int, dy_c: Tensor) -> None:  # dA over A's chunk c
+            a = a_tokens[c * rows : (c + 1) * rows]
+            h, da = recompute_activation(ctx.act, a, dy_c @ w2)
+            if wgrad2 is not None:
+                wgrad2.add(dy_c, h)
+            a.copy_(da)
+
+        ring_pass(ctx.group, rotate=dy_tokens, visit=visit)
+        da_tokens = a_tokens
+        db1 = da_tokens.sum(0, dtype=torch.float32).to(b1.dtype) if need_db1 else None
+        wgrad1 = WeightGrad(w1, ctx.main_grads[0]) if need_dw1 else None
+        dx_tokens = column_backward(x_tokens, w1, da_tokens, ctx.group, need_dx, wgrad1)
+        dx = dx_tokens.view(x_shard_m.shape) if need_dx else None
+        dw1 = wgrad1.result(x_tokens.dtype) if need_dw1 else None
+        dw2 = wgrad2.result(x_tokens.dtype) if need_dw2 else None
+        return dx, dw1, db1, dw2, None, None, None, None
+
+
+def ring_two_pass_mlp(
+    x_shard_m: Tensor,
+    w1: Tensor,
+    b1: Tensor | None,
+    w2: Tensor,
+    act: Activation,
+    group: Group,
+    main_grad1: Tensor | None = None,
+    main_grad2: Tensor | None = None,
+) -> Tensor:
+    """``[s/P, b, K]`` (sequence chunk d) -> ``[s/P, b, K]``: fc2(act(fc1(x) + b1)) as two ring
+    passes (module docstring, "Two passes"), fc2's bias left to the caller; shards, ``act`` and
+    ``main_grad1/2`` as :func:`ring_mlp`."""
+    return _RingTwoPassMLP.apply(
+        x_shard_m.contiguous(), w1, b1, w2, act, group, main_grad1, main_grad2
     )

@@ -239,6 +239,10 @@ class _Context:
             )
         elif self.fused_glu:
             self.activations = mem.fused_glu_activations(ev.activations, model, self.e)
+        elif self.mode == "ring" and not strategy.runs_fused_swiglu(model):
+            # StparMLP's two-pass node (layers/ring_mlp.py); a GPU run's gated MLP is
+            # megatron-core's fused SwiGLU instead (integrations.megatron.fused_swiglu)
+            self.activations = mem.ring_mlp_activations(ev.activations, model, self.e, ev.cal.local)
 
 
 def micro_batches(train: TrainSpec, strategy: Strategy) -> int:

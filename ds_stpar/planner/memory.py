@@ -234,22 +234,28 @@ def fused_glu_activations(acts: LayerActivations, model: ModelSpec, e: int) -> L
     return dataclasses.replace(acts, parallel=acts.parallel - 2 * e * model.ffn_hidden_size)
 
 
+def ring_mlp_activations(
+    acts: LayerActivations, model: ModelSpec, e: int, local: bool
+) -> LayerActivations:
+    """``acts`` with the MLP run by the ring's two-pass node (``layers/ring.py``,
+    ``ring_two_pass_mlp``): it keeps fc1's output (e f, GLU 2 e f), not act(fc1) nor fc2's
+    input, which its backward recomputes: the MLP's 2 e f (SwiGLU 3 e f; unfused GLU of the
+    local stack 5 e f) become e f (2 e f)."""
+    f = model.ffn_hidden_size
+    kept = (3 if model.gated else 2) * e * f + (2 * e * f if local and model.gated else 0)
+    recomputed = (2 if model.gated else 1) * e * f
+    return dataclasses.replace(acts, parallel=acts.parallel - kept + recomputed)
+
+
 def fused_ring_mlp_activations(
     acts: LayerActivations, model: ModelSpec, e: int, local: bool
 ) -> LayerActivations:
-    """``acts`` with the MLP run as one fused ring pass (``layers/ring_mlp.py``): it keeps
-    every rank's chunk of the fc1 input (e h per token, whole instead of 1/t) and fc1's
-    output (e f, GLU 2 e f), not act(fc1) nor fc2's input, which its backward recomputes:
-    the MLP's 2 e f (SwiGLU 3 e f; unfused GLU of the local stack 5 e f) become e f (2 e f)."""
-    f, h = model.ffn_hidden_size, model.hidden_size
-    kept = (3 if model.gated else 2) * e * f + (2 * e * f if local and model.gated else 0)
-    fused = (2 if model.gated else 1) * e * f
-    return dataclasses.replace(
-        acts,
-        residual=acts.residual - e * h,
-        parallel=acts.parallel - kept + fused,
-        whole=acts.whole + e * h,
-    )
+    """``acts`` with the MLP run as one fused ring pass (``layers/ring_mlp.py``): the two-pass
+    node's MLP (:func:`ring_mlp_activations`), and every rank's chunk of the fc1 input kept
+    (e h per token, whole instead of 1/t)."""
+    h = model.hidden_size
+    acts = ring_mlp_activations(acts, model, e, local)
+    return dataclasses.replace(acts, residual=acts.residual - e * h, whole=acts.whole + e * h)
 
 
 def inflight_layers(stage: int, layers: int, pp: int, m: int, v: int) -> float:
