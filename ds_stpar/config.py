@@ -586,6 +586,18 @@ class Strategy:
         (:func:`~ds_stpar.integrations.megatron.fused_swiglu`; the planner prices the same)."""
         return model.gated and not self.runs_fused_ring_mlp
 
+    def runs_ring_two_pass_mlp(self, model: ModelSpec) -> bool:
+        """Whether the MLP runs as the ring's two passes in one node
+        (:func:`~ds_stpar.layers.ring_mlp.ring_two_pass_mlp`): a ring layout over more than
+        one GPU without the fused pass, unless megatron-core's fused SwiGLU runs the gated
+        MLP over the two ring linears (:meth:`runs_fused_swiglu`)."""
+        return (
+            self.layout.tp > 1
+            and self.layout.tp_mode == "ring"
+            and not self.fused_ring_mlp
+            and not self.runs_fused_swiglu(model)
+        )
+
     def short(self) -> str:
         parts = [self.layout.short(), f"mb{self.micro_batch}", f"z{self.zero}"]
         if self.recompute_layers:

@@ -848,23 +848,29 @@ def _layer_ms(model, strategy, gpu, links, cal) -> float:
 FUSED = Path(__file__).resolve().parent.parent / "bench" / "results" / "2026-11-26-s4-2xH100"
 
 
+TWO_PASS = Path(__file__).resolve().parent.parent / "bench" / "results" / "2026-11-27-s17-2xH100"
+
+
 @pytest.mark.parametrize("link", ["nvlink", "slow"])
-def test_ring_mlp_fused_or_linear_matches_the_layer_benchmark(link):
-    # bench/layers.py on 2 x H100 (fourth session): TransformerLayer fwd+bwd, Megatron TP2+SP,
-    # the ring with its MLP as one fused ring pass ("ring") and as two ring linears
-    # ("ring-linear"), links from the MLP run of the same call, the shipped overlap (the
-    # slow link's own "hop hidden" median only says its hops outlast a chunk GEMM). Every case
-    # within 10% (one excluded: the fused NVLink h 4096 / 8K row, 20.77 ms against 9.07 for
-    # its ring-linear twin, a stall: two reruns of that case took 9.45 and 9.49 ms), and the
-    # planner must rank fused vs linear as measured in every case: linear faster over NVLink,
-    # fused faster over the slow link -- the choice the search makes with this model.
+def test_ring_mlp_fused_or_two_pass_matches_the_layer_benchmark(link):
+    # bench/layers.py on 2 x H100 (seventeenth session, call 84): TransformerLayer fwd+bwd,
+    # Megatron TP2+SP, the ring with its MLP as one fused ring pass ("ring") and as the two
+    # ring passes of ring_two_pass_mlp ("ring-linear", act recomputed); the links from the
+    # fourth session's MLP run on the same kind of host (call 84 ran without the overlap
+    # cases that measure them), the shipped overlap. Every case within 10%, but one: the
+    # fused NVLink h 4096 / 8K layer, predicted 19% slow, because the fused pass's floor per
+    # pass (ring_mlp_pass_s, 0.9 ms, fitted to whole-model short-bucket runs) exceeds what
+    # this one-layer step loses per pass (+2% without the floor). Where the measured fused and
+    # two-pass steps differ by more than 1% (these tables' run-to-run spread; the NVLink
+    # h 8192 rows at 16K and 32K differ by 0.2%), the planner ranks them as measured: two
+    # passes faster over NVLink, fused over the slow link -- the search's choice.
     mlp = json.loads((FUSED / f"layers-{link}-mlp.json").read_text())
-    layer = json.loads((FUSED / f"layers-{link}-layer.json").read_text())
+    layer = json.loads((TWO_PASS / "call84" / f"{link}.json").read_text())
     links = Profile.from_layers_benchmark(mlp, "h100-80g", H100.intra_latency_us * 1e-6)
     cal = Calibration.load_default("h100-80g", stack=LOCAL)
     measured, predicted = {}, {}
     for row in layer["rows"]:
-        if row["variant"] not in ("megatron-sp", "ring", "ring-linear"):
+        if row["block"] != "layer" or row["variant"] not in ("megatron-sp", "ring", "ring-linear"):
             continue
         h, tokens = row["hidden"], row["tokens"]
         model = ModelSpec("layer", 1, h, h // 128, vocab_size=1024, add_bias_linear=False)
@@ -881,12 +887,15 @@ def test_ring_mlp_fused_or_linear_matches_the_layer_benchmark(link):
     outlier = ("ring", 4096, 8192) if link == "nvlink" else None
     errors = {k: predicted[k] / measured[k] - 1 for k in measured if k != outlier}
     assert max(map(abs, errors.values())) < 0.10, errors
+    ranked = 0
     for (variant, h, tokens), ms in measured.items():
-        if variant != "ring":
+        two_pass = ("ring-linear", h, tokens)
+        if variant != "ring" or abs(ms / measured[two_pass] - 1) <= 0.01:
             continue
-        linear = ("ring-linear", h, tokens)
-        fused_wins = predicted[(variant, h, tokens)] < predicted[linear]
-        assert fused_wins == (ms < measured[linear]), (h, tokens, predicted, measured)
+        fused_wins = predicted[(variant, h, tokens)] < predicted[two_pass]
+        assert fused_wins == (ms < measured[two_pass]), (h, tokens, predicted, measured)
+        ranked += 1
+    assert ranked == (4 if link == "nvlink" else 6)
 
 
 def test_fused_ring_mlp_pass_floor_reproduces_the_short_bucket_runs(monkeypatch):
@@ -895,8 +904,10 @@ def test_fused_ring_mlp_pass_floor_reproduces_the_short_bucket_runs(monkeypatch)
     # more without recompute at micro-batch 1 (44.6 against 40.8) and 1.6 more with full
     # recompute at micro-batch 4 (50.2 against 48.6); without a floor the model says 0.51 for
     # both. The shipped floor per pass must give both within 0.4 us per token (1% of either
-    # step), fused the slower both times. That call ran before the fused SwiGLU: unfused here.
+    # step), fused the slower both times. That call ran before the fused SwiGLU (unfused here)
+    # and before the two-pass node: its two ring linears kept act(A) and recomputed nothing.
     monkeypatch.setattr(Strategy, "runs_fused_swiglu", lambda self, model: False)
+    monkeypatch.setattr(Strategy, "runs_ring_two_pass_mlp", lambda self, model: False)
     model = ModelSpec.load(str(Path(__file__).parents[1] / "bench/models/llama-4b-untied.json"))
     cluster, train = ClusterSpec(H100, 2, 2), TrainSpec(16384, 16)
     cal = Calibration.load_default("h100-80g", stack=LOCAL)

@@ -232,6 +232,8 @@ class _Context:
         self.fused_mlp = strategy.runs_fused_ring_mlp
         #: the local stack's GLU is megatron-core's fused SwiGLU (integrations.megatron.fused_swiglu)
         self.fused_glu = ev.cal.local and strategy.runs_fused_swiglu(model)
+        #: the MLP's two ring passes in one node (layers/ring_mlp.py)
+        self.two_pass_mlp = strategy.runs_ring_two_pass_mlp(model)
         self.activations = ev.activations
         if self.fused_mlp:
             self.activations = mem.fused_ring_mlp_activations(
@@ -239,9 +241,7 @@ class _Context:
             )
         elif self.fused_glu:
             self.activations = mem.fused_glu_activations(ev.activations, model, self.e)
-        elif self.mode == "ring" and not strategy.runs_fused_swiglu(model):
-            # StparMLP's two-pass node (layers/ring_mlp.py); a GPU run's gated MLP is
-            # megatron-core's fused SwiGLU instead (integrations.megatron.fused_swiglu)
+        elif self.two_pass_mlp:
             self.activations = mem.ring_mlp_activations(ev.activations, model, self.e, ev.cal.local)
 
 
@@ -267,7 +267,14 @@ def block_tp(ctx: _Context) -> BlockTP:
     model, t, speed, cal = ctx.model, ctx.t, ctx.speed, ctx.cal
     if ctx.mode == "ring":
         return ring_block(
-            model, ctx.tokens, t, ctx.links.tp_p2p, speed, cal.ring_hop_overlap, ctx.fused_mlp
+            model,
+            ctx.tokens,
+            t,
+            ctx.links.tp_p2p,
+            speed,
+            cal.ring_hop_overlap,
+            ctx.fused_mlp,
+            ctx.two_pass_mlp,
         )
     if ctx.mode == "cannon":
         return cannon_block(model, ctx.tokens, t, ctx.links.tp_p2p, speed, cal.ring_hop_overlap)

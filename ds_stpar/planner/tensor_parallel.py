@@ -201,9 +201,13 @@ def ring_block(
     speed: Speed,
     overlap: float,
     fused_mlp: bool = False,
+    two_pass_mlp: bool = False,
 ) -> BlockTP:
     """Ring (P = t): chunk GEMMs of T/P tokens, neighbour hops of T/P x dim chunks; with
-    ``fused_mlp`` the MLP as :func:`fused_ring_mlp`."""
+    ``fused_mlp`` the MLP as :func:`fused_ring_mlp`; with ``two_pass_mlp`` (the MLP's two
+    passes in one node, ``layers/ring_mlp.py``) its linears as two ring linears plus, in the
+    backward, act(A) recomputed (read fc1's output e f1/t, write e f/t) and dA written over A
+    (read and write e f1/t)."""
     p, e = tp, speed.e
     chunk = tokens / p
     result = BlockTP(Phase(0, 0), Phase(0, 0))
@@ -234,6 +238,9 @@ def ring_block(
             fwd_g, fwd_c = fwd_g + g, fwd_c + c
             g, c = run([step.dgrad(), step.wgrad()], lin.n)  # dY chunks rotate
             bwd_g, bwd_c = bwd_g + g, bwd_c + c
+    if two_pass_mlp and not fused_mlp and p > 1:
+        fc1, fc2 = linears[2], linears[3]
+        bwd_g += speed.elementwise(e * tokens * (3 * fc1.n + fc2.k) / p)
     result.gemm = Phase(fwd_g, bwd_g)
     result.comm = Phase(fwd_c, bwd_c)
     return result
