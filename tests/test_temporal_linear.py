@@ -295,6 +295,17 @@ def check_ring_mlp(
     _close(fc1.bias.grad, ref1.bias.grad[cols], f"{what}: fc1 bias grad")
 
 
+def check_two_pass_refuses_a_second_backward(group) -> None:
+    """ring_two_pass_mlp's backward writes dA over the saved A: autograd must refuse to run it
+    again through the same graph rather than compute from dA."""
+    x = _rand(1, S, B, HIDDEN).float().requires_grad_()
+    w1, w2 = _rand(2, FFN, HIDDEN).float(), _rand(3, HIDDEN, FFN).float().requires_grad_()
+    y = ring_two_pass_mlp(x, w1, None, w2, F.gelu, group)
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
 def check_attention(group, mode, seed) -> None:
     """QKV (column) -> causal attention on this rank's heads -> out-proj (row) vs float64."""
     size, me = group.size(), group.rank()
@@ -491,6 +502,7 @@ def _worker(rank: int, world_size: int) -> None:
     check_row(single, "ring", 71_000 + rank)
     check_ring_mlp(single, 72_000 + rank, glu=True, fusion=False, pieces=2)
     check_ring_mlp(single, 73_000 + rank, glu=True, fusion=False, pieces=1, two_pass=True)
+    check_two_pass_refuses_a_second_backward(single)
 
 
 @pytest.mark.dist

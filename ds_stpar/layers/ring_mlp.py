@@ -291,7 +291,9 @@ def ring_two_pass_mlp(
 ) -> Tensor:
     """``[s/P, b, K]`` (sequence chunk d) -> ``[s/P, b, K]``: fc2(act(fc1(x) + b1)) as two ring
     passes (module docstring, "Two passes"), fc2's bias left to the caller; shards, ``act`` and
-    ``main_grad1/2`` as :func:`ring_mlp`."""
+    ``main_grad1/2`` as :func:`ring_mlp`. The backward writes dA over the saved A, so a second
+    backward through the same graph (``retain_graph=True``) is refused by autograd's in-place
+    check."""
     return _RingTwoPassMLP.apply(
         x_shard_m.contiguous(), w1, b1, w2, act, group, main_grad1, main_grad2
     )
