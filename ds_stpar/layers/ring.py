@@ -65,7 +65,9 @@ def column_backward(
     return ring_pass(
         group,
         rotate=x_tokens if wgrad is not None else None,
-        visit=(lambda c, x_c: wgrad.add(_rows(dy_tokens, c, rows), x_c)) if wgrad else None,
+        visit=(lambda c, x_c: wgrad.add(_rows(dy_tokens, c, rows), x_c))
+        if wgrad is not None
+        else None,
         partial=(lambda m: _rows(dy_tokens, m, rows) @ w_shard_n) if need_dx else None,
     )
 
