@@ -541,7 +541,7 @@ def estimate_command_parser(subparsers=None) -> argparse.ArgumentParser:
     s.add_argument(
         "--ring-linear-mlp",
         action="store_true",
-        help="ring: the MLP as two ring linears instead of one fused ring pass",
+        help="ring: the MLP as the two ring linears' passes instead of one fused ring pass",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     parser.set_defaults(func=estimate_command)

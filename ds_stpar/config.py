@@ -524,7 +524,8 @@ class Strategy:
     ``vpp_layers``: layers per virtual pipeline stage (Megatron's
     --num-layers-per-virtual-pipeline-stage); 0 means no interleaving.
     ``fused_ring_mlp`` (ring layouts only; other modes ignore it): run each MLP block as one
-    fused ring pass (``layers/ring_mlp.py``) instead of two ring linears.
+    fused ring pass (``layers/ring_mlp.py``) instead of the two ring linears' passes
+    (``ring_two_pass_mlp``).
     ``first_stage_layers`` / ``last_stage_layers``: uneven pipeline stages (Megatron's
     --decoder-first/last-pipeline-num-layers); 0 means even.
     ``recompute_layers`` (full recompute only): recompute the first k layers of each

@@ -148,7 +148,7 @@ def knob_grid(layout: Layout, flash: bool) -> Iterator[tuple[bool, str, bool]]:
     """(sequence_parallel, recompute, fused_ring_mlp) of ``layout``, as the search and the
     bucket planner enumerate them: SP both ways for Megatron tp > 1, always on for ring/Cannon
     (rules 14, 15), off for tp 1 (rule 9); selective only without flash; the ring's MLP fused
-    and as two ring linears (which wins depends on the link)."""
+    and as the two ring linears' passes (which wins depends on the link)."""
     tp, mode = layout.tp, layout.tp_mode
     sps = (True,) if mode != "megatron" and tp > 1 else ((False, True) if tp > 1 else (False,))
     recomputes = ("none", "full") if flash else ("none", "selective", "full")
