@@ -36,7 +36,7 @@ from ds_stpar.layers.wgrad import fused_main_grad
 
 class StparMLP(MLP):
     """Megatron's MLP with the ring forwards and the Cannon GLU checkpoint view (module
-    docstring). ``fused_ring=False``: two ring linears, the activation inside fc2's."""
+    docstring). ``fused_ring=False``: the two ring linears' passes in one node."""
 
     def __init__(self, *args, fused_ring: bool = True, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -237,7 +237,7 @@ def fused_glu_activations(acts: LayerActivations, model: ModelSpec, e: int) -> L
 def ring_mlp_activations(
     acts: LayerActivations, model: ModelSpec, e: int, local: bool
 ) -> LayerActivations:
-    """``acts`` with the MLP run by the ring's two-pass node (``layers/ring.py``,
+    """``acts`` with the MLP run by the ring's two-pass node (``layers/ring_mlp.py``,
     ``ring_two_pass_mlp``): it keeps fc1's output (e f, GLU 2 e f), not act(fc1) nor fc2's
     input, which its backward recomputes: the MLP's 2 e f (SwiGLU 3 e f; unfused GLU of the
     local stack 5 e f) become e f (2 e f)."""
