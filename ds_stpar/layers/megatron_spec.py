@@ -105,8 +105,8 @@ def get_gpt_layer_stpar_spec(
     """A GPT transformer-layer spec with ds_stpar modules (see the module docstring).
 
     The norm type (LayerNorm/RMSNorm) follows ``TransformerConfig.normalization``.
-    ``fused_ring_mlp`` (ring only): one fused ring pass per MLP block (``StparMLP``) or two
-    ring linears; None reads ``DS_STPAR_FUSED_RING_MLP`` (``0`` or ``1``, default ``1``).
+    ``fused_ring_mlp`` (ring only): one fused ring pass per MLP block (``StparMLP``) or the
+    two ring linears' passes; None reads ``DS_STPAR_FUSED_RING_MLP`` (``0`` or ``1``, default ``1``).
     ``interleave`` (ring only): k >= 2 makes the layer
     :class:`~ds_stpar.layers.interleave.InterleavedTransformerLayer`, which runs k pieces of
     the micro-batch interleaved so each piece's transfers hide behind the others' compute;

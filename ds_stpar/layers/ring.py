@@ -77,9 +77,12 @@ def row_forward(
 ) -> Tensor:
     """[P rows, K/P] -> [rows, N] (chunk d) by the rotating accumulator; ``act`` in front."""
     rows = x_tokens.shape[0] // group.size()
-    if act is None:
-        return ring_pass(group, partial=lambda m: _rows(x_tokens, m, rows) @ w_shard_k.t())
-    return ring_pass(group, partial=lambda m: act(_rows(x_tokens, m, rows)) @ w_shard_k.t())
+
+    def partial(m: int) -> Tensor:
+        x_m = _rows(x_tokens, m, rows)
+        return (x_m if act is None else act(x_m)) @ w_shard_k.t()
+
+    return ring_pass(group, partial=partial)
 
 
 class _RingColumnLinear(torch.autograd.Function):
