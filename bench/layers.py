@@ -1151,6 +1151,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if min(args.repeats, args.pool, args.seq, args.head_dim) < 1 or args.warmup < 0:
         parser.error("--repeats, --pool, --seq, --head-dim must be >= 1 and --warmup >= 0")
+    if args.memory_trace and args.cpu:
+        parser.error("--memory-trace reads the CUDA allocator's history: not with --cpu")
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; init_runtime checks it again
     if world < 2:
         parser.error("run under torchrun with --nproc_per_node >= 2 (the TP size P)")

@@ -1,0 +1,23 @@
+"""bench/layers.py refuses option combinations it cannot honour, before it starts."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import layers  # noqa: E402
+
+
+def test_memory_trace_needs_a_gpu(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as exit_info:
+        layers.parse_args(["--cpu", "--memory-trace"])
+    assert exit_info.value.code == 2
+    assert "--memory-trace reads the CUDA allocator's history: not with --cpu" in (
+        capsys.readouterr().err
+    )
+    assert layers.parse_args(
+        ["--cpu", "--hidden", "64", "--head-dim", "16", "--tokens", "64", "--seq", "32"]
+    ).cpu
