@@ -1,15 +1,17 @@
 """Point-to-point communication patterns of the spatial-temporal layers.
 
 Every pattern is built from one primitive, :func:`start_p2p`: a batch of ``isend``/``irecv``
-(``torch.distributed.batch_isend_irecv``) that returns at once and is completed by
-:meth:`PendingP2P.wait`. It runs on gloo (CPU tests) and NCCL alike. Peers are *group*
-ranks, turned into global ranks with ``dist.get_global_rank``, so a TP group smaller than the
-world (or strided across it) works. The process group is always an argument.
+that returns at once and is completed by :meth:`PendingP2P.wait`. It runs on gloo (CPU tests)
+and NCCL alike. Peers are *group* ranks, so a TP group smaller than the world (or strided
+across it) works. The process group is always an argument.
 
-On CUDA the batch is issued on a side stream that first waits for the compute stream (so a
-buffer is only sent once it is written); ``wait`` makes the compute stream wait for the
-transfer, and every buffer is ``record_stream``-ed on the side stream so the caching allocator
-does not recycle it early. The host does not wait for the transfer it issues: the sub-GEMM of
+On NCCL the batch is the group's own coalesced send/recv calls (what
+``torch.distributed.batch_isend_irecv`` issues, without its per-op Python), made from the
+compute stream: NCCL's stream waits for the compute stream (a buffer is only sent once it is
+written), ``wait`` makes the compute stream wait for the transfer, and the process group keeps
+the buffers from the caching allocator until then. Another CUDA backend goes through
+``batch_isend_irecv`` on a side stream that waits for the compute stream, with every buffer
+``record_stream``-ed there. The host does not wait for the transfer it issues: the sub-GEMM of
 step t is queued while the transfer for step t+1 is in flight. It does wait once it is more
 than :data:`MAX_IN_FLIGHT` batches ahead of the GPU (:class:`InFlightLimit`, as FSDP's
 ``limit_all_gathers``). Unbounded, the host ran a micro-batch ahead and the caching allocator's
@@ -143,36 +145,82 @@ class PendingP2P:
         return self._received
 
 
+def _p2p_ops(sends: Sequence[Message], recvs: Sequence[Message], group: Group) -> list:
+    """The batch as ``dist.P2POp``s (global peer ranks) for ``dist.batch_isend_irecv``."""
+    return [
+        dist.P2POp(kind, msg.tensor, dist.get_global_rank(group, msg.peer), group, msg.tag)
+        for kind, messages in ((dist.isend, sends), (dist.irecv, recvs))
+        for msg in messages
+    ]
+
+
+_COALESCES: dict[tuple[Group, torch.device], bool] = {}
+
+
+def _coalesces(group: Group, device: torch.device) -> bool:
+    """Whether ``group``'s backend on ``device`` batches P2P itself (NCCL's group calls): the
+    test ``dist.batch_isend_irecv`` makes on every call, made once per group."""
+    key = (group, device)
+    if key not in _COALESCES:
+        _COALESCES[key] = (
+            type(group) is dist.ProcessGroup and group._get_backend(device).supports_coalescing
+        )
+    return _COALESCES[key]
+
+
+def _coalesced_batch(
+    sends: Sequence[Message], recvs: Sequence[Message], group: Group, device: torch.device
+):
+    """What ``dist.batch_isend_irecv`` does for a coalescing backend (its start / send / recv /
+    end calls on the group, with group ranks), minus its per-op Python (``P2POp``s, rank
+    translation, checks, logging wrappers), issued from the compute stream. NCCL runs the
+    batch on its own stream, which first waits for the compute stream (a buffer is sent only
+    once written); the returned work's ``wait`` makes the compute stream wait for the batch,
+    and the process group keeps the buffers from the caching allocator until then. So the
+    side stream, its two stream waits and the ``record_stream`` calls of the generic path are
+    not needed here: they cost the host more than the transfer's launch, and a P = 2 ring
+    layer issues about eight batches per forward and backward (BENCHMARKS.md, eighteenth
+    session). One work for the whole batch."""
+    group._start_coalescing(device)
+    for msg in sends:
+        group.send([msg.tensor], msg.peer, msg.tag)
+    for msg in recvs:
+        group.recv([msg.tensor], msg.peer, msg.tag)
+    return group._end_coalescing(device)
+
+
 def start_p2p(sends: Sequence[Message], recvs: Sequence[Message], group: Group) -> PendingP2P:
     """Start all ``sends`` and ``recvs`` (group ranks) as one batch; returns at once.
 
     Receive buffers must be contiguous and are filled in place. A message to or from this rank
     itself is not allowed (callers copy locally instead).
     """
-    ops = []
-    for kind, messages in ((dist.isend, sends), (dist.irecv, recvs)):
-        for msg in messages:
-            if not msg.tensor.is_contiguous():
-                raise ValueError("P2P buffers must be contiguous")
-            peer = dist.get_global_rank(group, msg.peer)
-            ops.append(dist.P2POp(kind, msg.tensor, peer, group, msg.tag))
+    messages = [*sends, *recvs]
+    for msg in messages:
+        if not msg.tensor.is_contiguous():
+            raise ValueError("P2P buffers must be contiguous")
     received = [msg.tensor for msg in recvs]
-    if not ops:
+    if not messages:
         return PendingP2P([], received, None)
-    device = ops[0].tensor.device
+    device = messages[0].tensor.device
     if device.type != "cuda":
-        return PendingP2P(dist.batch_isend_irecv(ops), received, None)
-    stream = _side_stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        works = dist.batch_isend_irecv(ops)
-    for op in ops:
-        op.tensor.record_stream(stream)
+        return PendingP2P(dist.batch_isend_irecv(_p2p_ops(sends, recvs, group)), received, None)
+    compute = torch.cuda.current_stream(device)
+    if _coalesces(group, device):
+        pending = PendingP2P([_coalesced_batch(sends, recvs, group, device)], received, None)
+    else:
+        stream = _side_stream(device)
+        stream.wait_stream(compute)
+        with torch.cuda.stream(stream):
+            works = dist.batch_isend_irecv(_p2p_ops(sends, recvs, group))
+        for msg in messages:
+            msg.tensor.record_stream(stream)
+        pending = PendingP2P(works, received, stream)
     if MAX_IN_FLIGHT > 0:
         if device not in _LIMITS:
             _LIMITS[device] = InFlightLimit(MAX_IN_FLIGHT)
-        _LIMITS[device].add(torch.cuda.current_stream(device).record_event())
-    return PendingP2P(works, received, stream)
+        _LIMITS[device].add(compute.record_event())
+    return pending
 
 
 def ring_pass(
