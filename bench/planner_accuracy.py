@@ -88,6 +88,8 @@ GPU_CASES = [
         fused_ring_mlp=True,
         interleave=2,
     ),
+    # case 20 with the ring's MLP as its two passes in one node (ring_two_pass_mlp)
+    Case("gpt3-2.7b", 4096, 16, 2, dp=1, tp=2, pp=1, tp_mode="ring"),
 ]
 
 
@@ -165,12 +167,15 @@ def run_case(
     warmup: int,
     profile: bool = False,
     memory_trace: bool = False,
+    trace_path: str | None = None,
 ) -> dict:
     """Measure one case: median step seconds, peak allocated GiB, the allocated GiB when the
     timed steps start (model states, Adam moments included) and, with ``memory_trace``, what
     is alive at the last step's peak (bench/memtrace.py). Memory is counted above what was
     allocated before the case started (``leftover_gib``: tensors an earlier case in the same
-    process left behind; counting them made later rows read 4-16 GiB high)."""
+    process left behind; counting them made later rows read 4-16 GiB high). With
+    ``trace_path``, one more untimed step runs under torch.profiler (CUDA activity only, as
+    launch/pretrain.py's --trace-step) and its timeline is written there for bench/timeline.py."""
     gc.collect()
     torch.cuda.empty_cache()
     leftover = torch.cuda.memory_allocated()
@@ -237,6 +242,21 @@ def run_case(
         return output, loss_func
 
     forward_backward = get_forward_backward_func()
+
+    def train_step(model, optimizer):
+        model.zero_grad_buffer()
+        forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=None,
+            model=[model],
+            num_microbatches=num_micro,
+            seq_length=case.seq_len,
+            micro_batch_size=case.micro_batch,
+            forward_only=False,
+        )
+        optimizer.step()
+        torch.cuda.synchronize()
+
     times = []
     profiler = None
     for step in range(warmup + steps):
@@ -256,18 +276,7 @@ def run_case(
         if tracing:
             torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
         start = time.perf_counter()
-        model.zero_grad_buffer()
-        forward_backward(
-            forward_step_func=forward_step,
-            data_iterator=None,
-            model=[model],
-            num_microbatches=num_micro,
-            seq_length=case.seq_len,
-            micro_batch_size=case.micro_batch,
-            forward_only=False,
-        )
-        optimizer.step()
-        torch.cuda.synchronize()
+        train_step(model, optimizer)
         if step >= warmup:
             times.append(time.perf_counter() - start)
         if tracing:
@@ -278,10 +287,15 @@ def run_case(
     if profiler is not None:
         profiler.__exit__(None, None, None)
         if dist.get_rank() == 0:
-            table = profiler.key_averages().table(
-                sort_by="cuda_time_total", row_limit=25, max_name_column_width=60
-            )
-            print(f"profile of {case} over {steps} steps:\n{table}", flush=True)
+            averages = profiler.key_averages()
+            for order in ("cuda_time_total", "self_cpu_time_total"):
+                table = averages.table(sort_by=order, row_limit=30, max_name_column_width=60)
+                print(f"profile of {case} over {steps} steps by {order}:\n{table}", flush=True)
+    if trace_path:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            train_step(model, optimizer)
+        os.makedirs(os.path.dirname(trace_path) or ".", exist_ok=True)
+        prof.export_chrome_trace(trace_path)
     peak = (torch.cuda.max_memory_allocated() - leftover) / 2**30
     peak_t = torch.tensor([peak], device=device)
     dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
@@ -311,12 +325,20 @@ def main() -> None:
         "--gpu", default=None, help="planner GPU preset (default: from the device name)"
     )
     parser.add_argument(
-        "--profile", action="store_true", help="print a torch.profiler table per case"
+        "--profile",
+        action="store_true",
+        help="print torch.profiler tables per case (by GPU time, then by host time)",
     )
     parser.add_argument(
         "--memory-trace",
         action="store_true",
         help="record the last step's allocations and print what is alive at its peak, by line",
+    )
+    parser.add_argument(
+        "--trace-dir",
+        default=None,
+        help="after the timed steps, trace one more step per case (CUDA activity only) into "
+        "DIR/case-<index>-rank-<rank>.json.gz for bench/timeline.py",
     )
     parser.add_argument("--out", default=None, help="write the measured rows as JSON here (rank 0)")
     parser.add_argument(
@@ -347,17 +369,27 @@ def main() -> None:
     world = dist.get_world_size()
     props = torch.cuda.get_device_properties(device)
     gpu_name = args.gpu or preset_for(props.name, props.total_memory) or "h100-80g"
-    cases = GPU_CASES
-    if args.only:
-        cases = [cases[i] for i in args.only]
+    indices = args.only if args.only else range(len(GPU_CASES))
 
     rows = []
-    for case in cases:
+    for index in indices:
+        case = GPU_CASES[index]
         if case.dp * case.tp * case.pp != world:
             continue
+        trace_path = None
+        if args.trace_dir:
+            trace_path = os.path.join(
+                args.trace_dir, f"case-{index}-rank-{dist.get_rank()}.json.gz"
+            )
         try:
             measured = run_case(
-                case, device, args.steps, args.warmup, args.profile, args.memory_trace
+                case,
+                device,
+                args.steps,
+                args.warmup,
+                args.profile,
+                args.memory_trace,
+                trace_path,
             )
         except Exception:  # the peer rank may now hang in a collective: stop the run
             print(f"FAILED {case}:\n{traceback.format_exc()}", flush=True)
