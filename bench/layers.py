@@ -8,6 +8,8 @@ needs)::
     NCCL_P2P_DISABLE=1 torchrun --nproc_per_node 4 bench/layers.py --label slow --out slow.json
     # subsets: --cases mlp --hidden 8192 --tokens 16K,32K --variants megatron-sp,ring,cannon
     # GPU timelines of one step per variant, for bench/timeline.py: --trace-dir DIR
+    # host time per Python function (small shapes, host-bound), for bench/hoststats.py:
+    #   --host-trace DIR
     # what is alive at each variant's peak (bench/memtrace.py), in the JSON rows: --memory-trace
     # CPU smoke run of every code path but async-TP (gloo, tiny shapes; numbers mean nothing):
     torchrun --nproc_per_node 4 bench/layers.py --cpu --hidden 64 --head-dim 16 --tokens 64 --seq 32
@@ -348,6 +350,7 @@ class Runtime:
     label: str
     ring_piecing: dict[str, float]  # ring_mlp's pieces / min_piece_flop (unset: its defaults)
     trace_dir: str | None = None  # --trace-dir: one traced step per variant there
+    host_trace: str | None = None  # --host-trace: HOST_TRACE_STEPS steps with Python stacks
     memory_trace: bool = False  # --memory-trace: one more step under the allocator's history
 
     @property
@@ -965,6 +968,10 @@ def time_variant(variant: str, case: Case, rt: Runtime, async_name, full) -> Row
             trace_step(
                 built, xs[0], dys[0], rt, f"{case.block}-{case.hidden}-{case.tokens}-{variant}"
             )
+        if rt.host_trace:
+            host_trace_steps(
+                built, xs[0], dys[0], rt, f"{case.block}-{case.hidden}-{case.tokens}-{variant}"
+            )
         if rt.memory_trace and rt.cuda:
             row.memory_trace = memory_trace_step(built, xs[0], dys[0], rt)
     except Exception as err:
@@ -990,6 +997,25 @@ def trace_step(built: Built, x: Tensor, dy: Tensor, rt: Runtime, name: str) -> N
     prof.export_chrome_trace(
         os.path.join(rt.trace_dir, f"{rt.label}-{name}-rank-{rt.rank}.json.gz")
     )
+
+
+HOST_TRACE_STEPS = 5
+
+
+def host_trace_steps(built: Built, x: Tensor, dy: Tensor, rt: Runtime, name: str) -> None:
+    """:data:`HOST_TRACE_STEPS` more steps under torch.profiler with host activity and Python
+    stacks: ``<host_trace>/host-<name>-rank-R.json.gz`` for bench/hoststats.py (self and
+    inclusive host time per Python function and operator). Run at shapes small enough that
+    the GPU waits for the host, that is what it explains."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if rt.cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities, with_stack=True) as prof:
+        for _ in range(HOST_TRACE_STEPS):
+            run_step(built, x, dy)
+        rt.sync()
+    os.makedirs(rt.host_trace, exist_ok=True)
+    prof.export_chrome_trace(os.path.join(rt.host_trace, f"host-{name}-rank-{rt.rank}.json.gz"))
 
 
 def memory_trace_step(built: Built, x: Tensor, dy: Tensor, rt: Runtime) -> dict:
@@ -1142,6 +1168,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="after timing each variant, trace one more step into this folder (bench/timeline.py)",
     )
     parser.add_argument(
+        "--host-trace",
+        default=None,
+        help="after timing each variant, trace 5 more steps with host activity and Python "
+        "stacks into this folder (bench/hoststats.py); use small shapes, where the host binds",
+    )
+    parser.add_argument(
         "--memory-trace",
         action="store_true",
         help="after timing each variant, one more step under the CUDA allocator's history: "
@@ -1209,6 +1241,7 @@ def init_runtime(args: argparse.Namespace) -> Runtime:
         pool=args.pool,
         label=args.label,
         trace_dir=args.trace_dir,
+        host_trace=args.host_trace,
         memory_trace=args.memory_trace,
         ring_piecing={
             key: value
