@@ -1,9 +1,10 @@
 """Spawn gloo workers on one machine (nanotron/DeepSpeed style), for multi-process tests.
 
 ``run_workers(fn, world_size, *args)`` starts ``world_size`` processes that each call
-``fn(rank, world_size, *args)`` inside an initialised gloo process group. A failure in any
-worker fails the test with that worker's traceback. Batch several checks into one launch:
-each launch costs seconds of start-up on CI's two cores.
+``fn(rank, world_size, *args)`` inside an initialised gloo process group (``backend="nccl"``:
+NCCL, rank r on GPU r, for the GPU-only tests). A failure in any worker fails the test with
+that worker's traceback. Batch several checks into one launch: each launch costs seconds of
+start-up on CI's two cores.
 """
 
 from __future__ import annotations
@@ -24,14 +25,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, errors) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, fn: Callable, args: tuple, errors, backend: str
+) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size)
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         fn(rank, world_size, *args)
         dist.barrier()
     except BaseException:
@@ -42,14 +47,15 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, er
             dist.destroy_process_group()
 
 
-def run_workers(fn: Callable, world_size: int, *args) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; re-raise failures."""
+def run_workers(fn: Callable, world_size: int, *args, backend: str = "gloo") -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks of ``backend`` (gloo; or
+    nccl, rank r on GPU r); re-raise failures."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     try:
         mp.start_processes(
             _worker,
-            args=(world_size, free_port(), fn, args, errors),
+            args=(world_size, free_port(), fn, args, errors, backend),
             nprocs=world_size,
             start_method="spawn",
         )

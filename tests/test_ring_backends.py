@@ -1,0 +1,126 @@
+"""The ring passes through each P2P path ``comm.start_p2p`` has, against float64.
+
+``start_p2p`` issues a batch one of two ways: ``dist.batch_isend_irecv`` (gloo, and CUDA
+backends that do not coalesce) or, on NCCL, the process group's own coalesced send / recv
+calls from the compute stream, with NCCL's stream ordering itself after the compute stream and
+the process group holding the buffers. The same checks run on both: gloo on the CPU (always)
+and NCCL on two GPUs (``gpu``: skipped where there are fewer). Each rank runs the ring column
+and row linears and the two-pass MLP forward and backward 12 times (more batches than the
+in-flight bound of 8, so the bound's host waits run too) and compares output, input gradient
+and weight gradients of the last round with a float64 reference of the whole problem.
+Tolerance: max |fp32 - fp64| <= 1e-5 * max |fp64|; the longest reduction is K = 64 terms
+(relative rounding about sqrt(64) * 6e-8 = 5e-7 in fp32, TF32 off), the ring only reorders
+the sums, so 1e-5 is > 10x the expected error and far below an indexing or ordering mistake.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ds_stpar.layers.ring import ring_column_linear, ring_row_linear
+from ds_stpar.layers.ring_mlp import ring_two_pass_mlp
+from tests.distributed import run_workers
+
+ROUNDS = 12
+M, K, N = 16, 24, 64  # tokens, input features, output features (N is fc1's width too)
+RTOL = 1e-5
+
+
+def _full(seed: int, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    err = (actual.detach().cpu().double() - expected).abs().max().item()
+    scale = expected.abs().max().item()
+    assert err <= RTOL * scale, f"{what}: max error {err:.3g} > {RTOL} * {scale:.3g}"
+
+
+def _local(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t.float().to(device).contiguous().requires_grad_()
+
+
+def _check_column(group, device) -> None:
+    """[M/P, 1, K] chunk d x W rows d -> [M, 1, N/P]."""
+    size, me = group.size(), group.rank()
+    x, w, dy = _full(1, M, K), _full(2, N, K), _full(3, M, N)
+    rows, cols = M // size, N // size
+    y_ref = x @ w.t()
+    for _ in range(ROUNDS):
+        x_d = _local(x[me * rows : (me + 1) * rows, None], device)
+        w_d = _local(w[me * cols : (me + 1) * cols], device)
+        y = ring_column_linear(x_d, w_d, group)
+        y.backward(dy[:, None, me * cols : (me + 1) * cols].float().to(device))
+    _close(y[:, 0], y_ref[:, me * cols : (me + 1) * cols], "column output")
+    _close(x_d.grad[:, 0], (dy @ w)[me * rows : (me + 1) * rows], "column input grad")
+    _close(w_d.grad, (dy.t() @ x)[me * cols : (me + 1) * cols], "column weight grad")
+
+
+def _check_row(group, device) -> None:
+    """[M, 1, K/P] x W columns d -> [M/P, 1, N] chunk d."""
+    size, me = group.size(), group.rank()
+    x, w, dy = _full(4, M, N), _full(5, K, N), _full(6, M, K)
+    rows, cols = M // size, N // size
+    for _ in range(ROUNDS):
+        x_d = _local(x[:, None, me * cols : (me + 1) * cols], device)
+        w_d = _local(w[:, me * cols : (me + 1) * cols], device)
+        y = ring_row_linear(x_d, w_d, group)
+        y.backward(dy[me * rows : (me + 1) * rows, None].float().to(device))
+    _close(y[:, 0], (x @ w.t())[me * rows : (me + 1) * rows], "row output")
+    _close(x_d.grad[:, 0], (dy @ w)[:, me * cols : (me + 1) * cols], "row input grad")
+    _close(w_d.grad, (dy.t() @ x)[:, me * cols : (me + 1) * cols], "row weight grad")
+
+
+def _check_two_pass_mlp(group, device) -> None:
+    """fc2(gelu(fc1(x) + b1)) over [M/P, 1, K] chunks, fc1 [N/P, K] rows, fc2 [K, N/P] columns."""
+    size, me = group.size(), group.rank()
+    x, w1, b1, w2, dy = (
+        _full(7, M, K),
+        _full(8, N, K),
+        _full(9, N),
+        _full(10, K, N),
+        _full(11, M, K),
+    )
+    rows, cols = M // size, N // size
+    leaves = [t.clone().requires_grad_() for t in (x, w1, b1, w2)]
+    y_ref = F.linear(F.gelu(F.linear(leaves[0], leaves[1], leaves[2])), leaves[3])
+    y_ref.backward(dy)
+    for _ in range(ROUNDS):
+        x_d = _local(x[me * rows : (me + 1) * rows, None], device)
+        w1_d = _local(w1[me * cols : (me + 1) * cols], device)
+        b1_d = _local(b1[me * cols : (me + 1) * cols], device)
+        w2_d = _local(w2[:, me * cols : (me + 1) * cols], device)
+        y = ring_two_pass_mlp(x_d, w1_d, b1_d, w2_d, F.gelu, group)
+        y.backward(dy[me * rows : (me + 1) * rows, None].float().to(device))
+    what = "two-pass MLP"
+    _close(y[:, 0], y_ref.detach()[me * rows : (me + 1) * rows], f"{what} output")
+    _close(x_d.grad[:, 0], leaves[0].grad[me * rows : (me + 1) * rows], f"{what} input grad")
+    _close(w1_d.grad, leaves[1].grad[me * cols : (me + 1) * cols], f"{what} fc1 weight grad")
+    _close(b1_d.grad, leaves[2].grad[me * cols : (me + 1) * cols], f"{what} fc1 bias grad")
+    _close(w2_d.grad, leaves[3].grad[:, me * cols : (me + 1) * cols], f"{what} fc2 weight grad")
+
+
+def _worker(rank: int, world_size: int, device_type: str) -> None:
+    device = torch.device(device_type, rank if device_type == "cuda" else 0)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    group = dist.new_group(list(range(world_size)))
+    for check in (_check_column, _check_row, _check_two_pass_mlp):
+        check(group, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def test_ring_passes_through_batch_isend_irecv_on_gloo() -> None:
+    run_workers(_worker, 2, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="needs 2 CUDA GPUs for NCCL (CI has none)",
+)
+def test_ring_passes_through_nccl_coalesced_calls() -> None:
+    run_workers(_worker, 2, "cuda", backend="nccl")
