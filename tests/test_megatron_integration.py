@@ -104,6 +104,7 @@ def _spec_parity(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from ds_stpar.integrations.megatron import transformer_config
+    from ds_stpar.layers.activation import ClosedFormActivation
     from ds_stpar.layers.megatron_spec import get_gpt_block_stpar_spec
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
@@ -154,6 +155,12 @@ def _spec_parity(
             config, tp_mode, fused_ring_mlp=fused, interleave=interleave
         )
         ours = build(block, config)
+        if tp_mode == "ring":  # silu GLU: StparMLP hands the ring its closed-form derivative
+            mlp = ours.decoder.layers[0].mlp
+            assert isinstance(mlp.ring_activation, ClosedFormActivation), mlp.ring_activation
+            config.activation_func_clamp_value = 7.0  # a clamp has no closed form here
+            assert mlp._closed_form_activation() is None
+            config.activation_func_clamp_value = None
         calls = []
         if interleave:
             _record_pieces(ours.decoder.layers, calls)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from ds_stpar.config import Layout
 from ds_stpar.errors import ConfigError
 from ds_stpar.layers import TemporalColumnParallelLinear, TemporalRowParallelLinear
+from ds_stpar.layers.activation import ClosedFormActivation
 from ds_stpar.layers.ring_mlp import ring_mlp, ring_two_pass_mlp
 from ds_stpar.parallel import GroupCache
 from tests.distributed import run_workers
@@ -251,12 +252,22 @@ def check_mlp(group, mode, seed, *, glu: bool) -> None:
 
 
 def check_ring_mlp(
-    group, seed, *, glu: bool, fusion: bool, pieces: int, dx: bool = True, two_pass: bool = False
+    group,
+    seed,
+    *,
+    glu: bool,
+    fusion: bool,
+    pieces: int,
+    dx: bool = True,
+    two_pass: bool = False,
+    closed_form: bool = False,
 ) -> None:
     """The fused ring MLP (``ring_mlp``) or the two-pass one (``ring_two_pass_mlp``) vs
     float64: fc1 + bias -> activation -> fc2 (its bias is the caller's). ``pieces`` > 1 cuts
     each partial-sum hop of the fused pass into row pieces (pieces of one row allowed here, so
-    the 4-8 rows of a chunk give uneven pieces)."""
+    the 4-8 rows of a chunk give uneven pieces). ``closed_form``: the activation as the
+    ``ClosedFormActivation`` StparMLP passes (dA from autograd's kernel, over A in the two
+    passes) instead of a plain callable (a nested autograd graph)."""
     size, me = group.size(), group.rank()
     fc1_out, stride = (2 * FFN, 2) if glu else (FFN, 1)
     fc1 = _column(group, "ring", seed, out=fc1_out, stride=stride, fusion=fusion)
@@ -266,13 +277,14 @@ def check_ring_mlp(
     main_grads = (None, None)
     if fusion:  # accumulate on top of what Megatron DDP's buffers already hold
         main_grads = (torch.full(fc1.weight.shape, 0.5), torch.full(fc2.weight.shape, -0.5))
-    act = _activation(glu)
+    act = ClosedFormActivation(F.silu if glu else F.gelu, glu) if closed_form else _activation(glu)
     x_full = _rand(seed + 2, S, B, HIDDEN).requires_grad_()
     x = _seq_chunk(x_full.detach(), me, size).float().requires_grad_(dx)
     args = (x, fc1.weight, fc1.bias, fc2.weight, act, group, *main_grads)
     y = ring_two_pass_mlp(*args) if two_pass else ring_mlp(*args, pieces, 0)
     y_ref = F.linear(act(ref1(x_full)), ref2.weight)
     name = "ring_two_pass_mlp" if two_pass else f"ring_mlp pieces={pieces}"
+    name += " closed-form" if closed_form else ""
     what = f"{name} {'glu' if glu else 'gelu'} P={size} fusion={fusion}"
     _close(y, _seq_chunk(y_ref, me, size).detach(), f"{what}: output")
     grad = _rand(seed + 3, S, B, HIDDEN)
@@ -296,14 +308,16 @@ def check_ring_mlp(
 
 
 def check_two_pass_refuses_a_second_backward(group) -> None:
-    """ring_two_pass_mlp's backward writes dA over the saved A: autograd must refuse to run it
-    again through the same graph rather than compute from dA."""
-    x = _rand(1, S, B, HIDDEN).float().requires_grad_()
-    w1, w2 = _rand(2, FFN, HIDDEN).float(), _rand(3, HIDDEN, FFN).float().requires_grad_()
-    y = ring_two_pass_mlp(x, w1, None, w2, F.gelu, group)
-    y.sum().backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        y.sum().backward()
+    """ring_two_pass_mlp's backward writes dA over the saved A (by a copy, or by the closed
+    form's kernel writing into it): autograd must refuse to run it again through the same
+    graph rather than compute from dA."""
+    for act in (F.gelu, ClosedFormActivation(F.gelu)):
+        x = _rand(1, S, B, HIDDEN).float().requires_grad_()
+        w1, w2 = _rand(2, FFN, HIDDEN).float(), _rand(3, HIDDEN, FFN).float().requires_grad_()
+        y = ring_two_pass_mlp(x, w1, None, w2, act, group)
+        y.sum().backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
 
 
 def check_attention(group, mode, seed) -> None:
@@ -485,6 +499,13 @@ def _all_layer_checks(group, mode, seed) -> None:
         check_ring_mlp(group, seed + 1500, glu=False, fusion=False, pieces=3, dx=False)
         check_ring_mlp(group, seed + 1600, glu=False, fusion=False, pieces=1, two_pass=True)
         check_ring_mlp(group, seed + 1700, glu=True, fusion=True, pieces=1, two_pass=True)
+        check_ring_mlp(
+            group, seed + 1800, glu=True, fusion=True, pieces=1, two_pass=True, closed_form=True
+        )
+        check_ring_mlp(
+            group, seed + 1900, glu=False, fusion=False, pieces=1, two_pass=True, closed_form=True
+        )
+        check_ring_mlp(group, seed + 2000, glu=True, fusion=False, pieces=3, closed_form=True)
 
 
 def _worker(rank: int, world_size: int) -> None:

@@ -18,27 +18,15 @@ MLP does: a Megatron MLP would keep both fc1's output and act(fc1's output).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
+from ds_stpar.layers.activation import Activation, recompute_activation
 from ds_stpar.layers.wgrad import WeightGrad
-
-Activation = Callable[[Tensor], Tensor]
 
 
 def _tokens(x: Tensor) -> Tensor:
     return x.reshape(-1, x.shape[-1])
-
-
-def recompute_activation(act: Activation, a: Tensor, grad_h: Tensor) -> tuple[Tensor, Tensor]:
-    """(act(a), d act(a) / d a applied to ``grad_h``) from a fresh graph on ``a``."""
-    with torch.enable_grad():
-        a = a.detach().requires_grad_()
-        h = act(a)
-    (grad_a,) = torch.autograd.grad(h, a, grad_h)
-    return h.detach(), grad_a
 
 
 class _LocalLinear(torch.autograd.Function):

@@ -8,7 +8,10 @@ attributes and checkpoint keys, so a model moves between the specs by its dist c
   chunk, fc2's partial sums leave in row pieces, and act(A) is recomputed in the backward
   instead of saved. With ``fused_ring=False`` the two ring linears run one after the other in
   one node (:func:`~ds_stpar.layers.ring_mlp.ring_two_pass_mlp`), which also saves A only,
-  recomputes act(A) and writes dA over A in its backward. Cases where the
+  recomputes act(A) and writes dA over A in its backward. Both get the activation as a
+  :class:`~ds_stpar.layers.activation.ClosedFormActivation` where Megatron's config names one
+  it has (gelu, silu, relu, plain or gated, no clamp): its derivative runs autograd's own
+  kernel without a nested graph, and the two passes compute dA straight over A. Cases where the
   ring cannot own the activation run Megatron's forward over the per-linear ring layers (same
   result): ``per_token_scale`` (MoE experts), Transformer Engine activations,
   ``bias_activation_fusion`` (Megatron's fused kernels: the fused SwiGLU the GPU runs select,
@@ -28,6 +31,7 @@ import torch
 from megatron.core.transformer.mlp import MLP
 from torch import Tensor
 
+from ds_stpar.layers.activation import ClosedFormActivation
 from ds_stpar.layers.cannon_mlp import cannon_glu_factory
 from ds_stpar.layers.local import activation_linear
 from ds_stpar.layers.ring_mlp import ring_mlp, ring_two_pass_mlp
@@ -41,6 +45,17 @@ class StparMLP(MLP):
     def __init__(self, *args, fused_ring: bool = True, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.fused_ring = fused_ring
+        self.ring_activation = self._closed_form_activation() or self._activation
+
+    def _closed_form_activation(self) -> ClosedFormActivation | None:
+        """:meth:`_activation` with its derivative in closed form, where there is one."""
+        cfg = self.config
+        func = cfg.activation_func if cfg.gated_linear_unit else self.activation_func
+        if cfg.gated_linear_unit and cfg.activation_func_clamp_value is not None:
+            return None
+        if not ClosedFormActivation.supports(func):
+            return None
+        return ClosedFormActivation(func, cfg.gated_linear_unit, cfg.glu_linear_offset)
 
     def _tp_mode(self) -> str | None:
         return getattr(self.linear_fc1, "tp_mode", None)
@@ -81,14 +96,14 @@ class StparMLP(MLP):
         if fc1.local_compute and fc2.local_compute:
             a, bias = fc1(hidden_states)
             a = a + bias if bias is not None else a
-            return activation_linear(a, fc2.weight, self._activation, main_grad2), fc2.bias
+            return activation_linear(a, fc2.weight, self.ring_activation, main_grad2), fc2.bias
         fc1._check_input(hidden_states, fc1.input_size)
         output = (ring_mlp if self.fused_ring else ring_two_pass_mlp)(
             hidden_states,
             fc1.weight,
             fc1.bias,
             fc2.weight,
-            self._activation,
+            self.ring_activation,
             fc1.tp_group,
             fused_main_grad(fc1.weight, fc1.gradient_accumulation_fusion),
             main_grad2,

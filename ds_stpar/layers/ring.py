@@ -31,8 +31,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ds_stpar.layers.activation import Activation
 from ds_stpar.layers.comm import Group, ring_pass
-from ds_stpar.layers.local import Activation
 from ds_stpar.layers.wgrad import WeightGrad
 
 
@@ -60,16 +60,24 @@ def column_backward(
     need_dx: bool,
     wgrad: WeightGrad | None,
 ) -> Tensor | None:
-    """dX chunk d by the rotating accumulator; dW into ``wgrad`` as X rotates again."""
+    """dX chunk d by the rotating accumulator, then dW into ``wgrad`` as X rotates again.
+
+    Two passes rather than one carrying both streams: the accumulator's buffers (this rank's
+    partial sum, the one in flight, the one arriving) are freed before the weight gradient
+    is first allocated, so they never coexist with it. Same bytes, P - 1 more P2P batches.
+    At h 8192 / 8K tokens, P = 2, that is 3 of the 17 [tokens/P, h] blocks the MLP's
+    backward peak held above its inputs (BENCHMARKS.md, eighteenth session)."""
     rows = x_tokens.shape[0]
-    return ring_pass(
-        group,
-        rotate=x_tokens if wgrad is not None else None,
-        visit=(lambda c, x_c: wgrad.add(_rows(dy_tokens, c, rows), x_c))
-        if wgrad is not None
-        else None,
-        partial=(lambda m: _rows(dy_tokens, m, rows) @ w_shard_n) if need_dx else None,
-    )
+    dx_tokens = None
+    if need_dx:
+        dx_tokens = ring_pass(group, partial=lambda m: _rows(dy_tokens, m, rows) @ w_shard_n)
+    if wgrad is not None:
+        ring_pass(
+            group,
+            rotate=x_tokens,
+            visit=lambda c, x_c: wgrad.add(_rows(dy_tokens, c, rows), x_c),
+        )
+    return dx_tokens
 
 
 def row_forward(

@@ -36,8 +36,11 @@ the backward's re-gather of X: four streams of (P-1)/P of the activation instead
 that owns A: it saves A and X's own chunk, not act(A) (the row's backward recomputes it per
 dY chunk) and writes dA over A chunk by chunk, so the backward holds A and one chunk's
 act(A), dact(A) and dA where Megatron's MLP holds A, act(A) and a whole dact(A)
-(BENCHMARKS.md, seventeenth session). Communication: the two linears' own (the
-column's backward rotates X again for dW).
+(BENCHMARKS.md, seventeenth session). With a :class:`ClosedFormActivation` (what
+``StparMLP`` passes for gelu, silu, relu, plain or gated) the chunk's act(A) is gone before
+its dA is computed, straight over A, so one chunk's dact(A) is all it holds beside A.
+Communication: the two linears' own (the column's backward rotates X again for dW, in its own
+pass after the dX accumulator's: ``ring.column_backward``).
 """
 
 from __future__ import annotations
@@ -47,8 +50,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from ds_stpar.layers.activation import Activation, ClosedFormActivation, recompute_activation
 from ds_stpar.layers.comm import Group, Message, PendingP2P, ring_pass, start_p2p
-from ds_stpar.layers.local import Activation, recompute_activation
 from ds_stpar.layers.ring import column_backward, column_forward, row_forward
 from ds_stpar.layers.wgrad import WeightGrad
 from ds_stpar.planner.tensor_parallel import MIN_PIECE_FLOP, PIECES, piece_count
@@ -263,6 +266,11 @@ class _RingTwoPassMLP(torch.autograd.Function):
 
         def visit(c: int, dy_c: Tensor) -> None:  # dA over A's chunk c
             a = a_tokens[c * rows : (c + 1) * rows]
+            if isinstance(ctx.act, ClosedFormActivation):  # act(A) gone before dA is made
+                if wgrad2 is not None:
+                    wgrad2.add(dy_c, ctx.act(a))
+                ctx.act.grad(a, dy_c @ w2, out=a)
+                return
             h, da = recompute_activation(ctx.act, a, dy_c @ w2)
             if wgrad2 is not None:
                 wgrad2.add(dy_c, h)

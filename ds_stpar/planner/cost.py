@@ -357,9 +357,9 @@ def layer_host_calls(ctx: _Context, again: bool) -> tuple[int, int]:
     Megatron with SP: forward 2 all-gathers + 2 reduce-scatters, backward 2 all-gathers of
     the row linears' output gradient, 2 re-gathers and 2 reduce-scatters in the column
     linears: 10 (recompute +4). Without SP: 2 forward and 2 backward all-reduces (+2).
-    Ring: every linear runs one forward and one backward ``ring_pass`` (the column backward
-    carries the dX accumulator and the X rotation in one batch per step), P - 1 hops each:
-    8 (P - 1) (recompute +4 (P - 1)); with the fused MLP the two MLP linears' 4 (P - 1)
+    Ring: every linear runs one forward ``ring_pass``; a row's backward is one pass, a
+    column's two (the dX accumulator's, then the X rotation's for dW), P - 1 hops each:
+    10 (P - 1) (recompute +4 (P - 1)); with the fused MLP the two MLP linears' 5 (P - 1)
     become (P - 1) (1 + k) P2P batches per pass (one rotation, k partial-sum pieces per step),
     forward and backward (recompute + one pass). Cannon, per linear: q - 1 shift batches forward and q
     backward (the last carries the dX accumulator alone), and two re-layouts each way, each
@@ -369,9 +369,9 @@ def layer_host_calls(ctx: _Context, again: bool) -> tuple[int, int]:
     if ctx.mode == "ring":
         if ctx.fused_mlp:
             mlp_pass = 1 + ring_mlp_pieces(ctx.model, ctx.tokens, ctx.t)
-            passes = (4 + (2 if again else 0)) + (2 + (1 if again else 0)) * mlp_pass
+            passes = (5 + (2 if again else 0)) + (2 + (1 if again else 0)) * mlp_pass
             return 0, passes * (ctx.t - 1)
-        return 0, (8 + (4 if again else 0)) * (ctx.t - 1)
+        return 0, (10 + (4 if again else 0)) * (ctx.t - 1)
     if ctx.mode == "cannon":
         q = math.isqrt(ctx.t)
         forward = (q - 1) + 2

@@ -206,8 +206,10 @@ def ring_block(
     """Ring (P = t): chunk GEMMs of T/P tokens, neighbour hops of T/P x dim chunks; with
     ``fused_mlp`` the MLP as :func:`fused_ring_mlp`; with ``two_pass_mlp`` (the MLP's two
     passes in one node, ``layers/ring_mlp.py``) its linears as two ring linears plus, in the
-    backward, act(A) recomputed (read fc1's output e f1/t, write e f/t) and dA written over A
-    (read and write e f1/t)."""
+    backward, act(A) recomputed for fc2's weight gradient (read fc1's output e f1/t, write
+    e f/t); its derivative kernel writes dA over A, as Megatron's writes it anywhere (the
+    closed-form activations: gelu, silu, relu, plain or gated). A column's backward is two
+    passes, the dX accumulator's then the dW rotation's (``ring.column_backward``)."""
     p, e = tp, speed.e
     chunk = tokens / p
     result = BlockTP(Phase(0, 0), Phase(0, 0))
@@ -240,7 +242,7 @@ def ring_block(
             bwd_g, bwd_c = bwd_g + g, bwd_c + c
     if two_pass_mlp and not fused_mlp and p > 1:
         fc1, fc2 = linears[2], linears[3]
-        bwd_g += speed.elementwise(e * tokens * (3 * fc1.n + fc2.k) / p)
+        bwd_g += speed.elementwise(e * tokens * (fc1.n + fc2.k) / p)
     result.gemm = Phase(fwd_g, bwd_g)
     result.comm = Phase(fwd_c, bwd_c)
     return result
