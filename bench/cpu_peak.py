@@ -16,10 +16,8 @@ BENCHMARKS.md, eighteenth session.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import tempfile
 
+import memtrace
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -54,15 +52,7 @@ def peak_blocks(group, hidden: int, tokens: int, variant: str) -> float:
     cpu = torch.profiler.ProfilerActivity.CPU
     with torch.profiler.profile(activities=[cpu], profile_memory=True) as prof:
         step()
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as handle:
-            events = [e for e in json.load(handle)["traceEvents"] if e.get("name") == "[memory]"]
-    first = events[0]["args"]
-    start = first["Total Allocated"] - first["Bytes"]
-    peak = max(e["args"]["Total Allocated"] for e in events) - start
-    return peak / (tokens // size * hidden * 4)
+    return memtrace.cpu_peak_above_start(prof) / (tokens // size * hidden * 4)
 
 
 def main() -> None:

@@ -9,11 +9,16 @@ sums them by the innermost frame outside torch's own files, so a row reads "mega
 /layers.py:512 forward: 3.2 GiB in 48 blocks". Used by bench/planner_accuracy.py
 ``--memory-trace`` (the planner's memory model names activations, states and buffers; this
 says which of the measured bytes are which) and bench/layers.py ``--memory-trace`` (what a
-layer variant holds at its peak).
+layer variant holds at its peak). On the CPU, where there is no caching allocator to ask,
+:func:`cpu_peak_above_start` reads the peak off a ``profile_memory=True`` torch.profiler
+run (bench/layers.py ``--cpu`` rows, bench/cpu_peak.py).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 from collections import defaultdict
 
 INTERNAL = ("/torch/", "<frozen", "/contextlib.py", "/functools.py", "/threading.py")
@@ -72,3 +77,18 @@ def summarize(snapshot: dict, device: int, top: int = 15) -> dict:
         "peak_above_base_gib": peak / 2**30,
         "sites": [{"site": s, "gib": b / 2**30, "blocks": n} for s, b, n in rows[:top]],
     }
+
+
+def cpu_peak_above_start(prof) -> int:
+    """The most bytes alive at once during a finished ``profile_memory=True`` CPU profile,
+    above what was allocated when it started (0 if nothing was allocated)."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as handle:
+            events = [e for e in json.load(handle)["traceEvents"] if e.get("name") == "[memory]"]
+    if not events:
+        return 0
+    first = events[0]["args"]
+    start = first["Total Allocated"] - first["Bytes"]
+    return max(0, max(e["args"]["Total Allocated"] for e in events) - start)
