@@ -65,8 +65,9 @@ def column_backward(
     Two passes rather than one carrying both streams: the accumulator's buffers (this rank's
     partial sum, the one in flight, the one arriving) are freed before the weight gradient
     is first allocated, so they never coexist with it. Same bytes, P - 1 more P2P batches.
-    At h 8192 / 8K tokens, P = 2, that is 3 of the 17 [tokens/P, h] blocks the MLP's
-    backward peak held above its inputs (BENCHMARKS.md, eighteenth session)."""
+    With the two-pass MLP's closed-form activation, its backward peak at the proportions of
+    h 8192 / 8K tokens, P = 2, fell from 17 to 15 [tokens/P, h] blocks above its inputs
+    (``bench/cpu_peak.py``; BENCHMARKS.md, eighteenth session)."""
     rows = x_tokens.shape[0]
     dx_tokens = None
     if need_dx:
