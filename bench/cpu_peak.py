@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from ds_stpar.layers.activation import ClosedFormActivation
 from ds_stpar.layers.ring_mlp import ring_mlp, ring_two_pass_mlp
 
+VARIANTS = ("two-pass", "two-pass-closed-form", "fused")
+
 
 def peak_blocks(group, hidden: int, tokens: int, variant: str) -> float:
     """Peak bytes above the step's start over one ``[tokens/P, hidden]`` fp32 block, for
@@ -73,8 +75,6 @@ def main() -> None:
             print(f"| {variant} | {blocks:.2f} |")
     dist.destroy_process_group()
 
-
-VARIANTS = ("two-pass", "two-pass-closed-form", "fused")
 
 if __name__ == "__main__":
     main()

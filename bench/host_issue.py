@@ -30,7 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ds_stpar.layers.comm import Message, _side_stream, start_p2p
+from ds_stpar.layers.comm import Message, _coalesced_batch, _p2p_ops, _side_stream, start_p2p
 
 
 def main() -> None:
@@ -66,18 +66,13 @@ def main() -> None:
 
         return run
 
+    sends, recvs = [Message(send, left)], [Message(recv, right)]
+
     def batch():
-        ops = [
-            dist.P2POp(dist.isend, send, dist.get_global_rank(group, left), group),
-            dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, right), group),
-        ]
-        return dist.batch_isend_irecv(ops)
+        return dist.batch_isend_irecv(_p2p_ops(sends, recvs, group))
 
     def coalesced():
-        group._start_coalescing(device)
-        group.send([send], left, 0)
-        group.recv([recv], right, 0)
-        return [group._end_coalescing(device)]
+        return [_coalesced_batch(sends, recvs, group, device)]
 
     def all_to_all():
         return [dist.all_to_all_single(recv, send, out_splits, in_splits, group, async_op=True)]
@@ -89,7 +84,7 @@ def main() -> None:
         "batch_isend_irecv": on_side(batch),
         "coalesced send/recv, side stream": on_side(coalesced),
         "coalesced send/recv": lambda: [work.wait() for work in coalesced()],
-        "start_p2p": lambda: start_p2p([Message(send, left)], [Message(recv, right)], group).wait(),
+        "start_p2p": lambda: start_p2p(sends, recvs, group).wait(),
         "all_to_all_single": on_side(all_to_all),
     }
     if size == 2:

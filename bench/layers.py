@@ -964,14 +964,13 @@ def time_variant(variant: str, case: Case, rt: Runtime, async_name, full) -> Row
         times = rt.time_ms(lambda i: run_step(built, xs[i % rt.pool], dys[i % rt.pool]))
         rt.sync()
         peak = rt.peak() - base
+        name = f"{case.block}-{case.hidden}-{case.tokens}-{variant}-rank-{rt.rank}.json.gz"
         if rt.trace_dir:
-            trace_step(
-                built, xs[0], dys[0], rt, f"{case.block}-{case.hidden}-{case.tokens}-{variant}"
-            )
+            path = os.path.join(rt.trace_dir, f"{rt.label}-{name}")
+            profile_steps(built, xs[0], dys[0], rt, path)
         if rt.host_trace:
-            host_trace_steps(
-                built, xs[0], dys[0], rt, f"{case.block}-{case.hidden}-{case.tokens}-{variant}"
-            )
+            path = os.path.join(rt.host_trace, f"host-{name}")
+            profile_steps(built, xs[0], dys[0], rt, path, HOST_TRACE_STEPS, host=True)
         if rt.memory_trace and rt.cuda:
             row.memory_trace = memory_trace_step(built, xs[0], dys[0], rt)
     except Exception as err:
@@ -987,35 +986,28 @@ def time_variant(variant: str, case: Case, rt: Runtime, async_name, full) -> Row
     return row
 
 
-def trace_step(built: Built, x: Tensor, dy: Tensor, rt: Runtime, name: str) -> None:
-    """One more step under torch.profiler (CUDA activity only, as launch/pretrain.py's
-    --trace-step): ``<trace_dir>/<label>-<name>-rank-R.json.gz`` for bench/timeline.py."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        run_step(built, x, dy)
-        rt.sync()
-    os.makedirs(rt.trace_dir, exist_ok=True)
-    prof.export_chrome_trace(
-        os.path.join(rt.trace_dir, f"{rt.label}-{name}-rank-{rt.rank}.json.gz")
-    )
-
-
 HOST_TRACE_STEPS = 5
 
 
-def host_trace_steps(built: Built, x: Tensor, dy: Tensor, rt: Runtime, name: str) -> None:
-    """:data:`HOST_TRACE_STEPS` more steps under torch.profiler with host activity and Python
-    stacks: ``<host_trace>/host-<name>-rank-R.json.gz`` for bench/hoststats.py (self and
-    inclusive host time per Python function and operator). Run at shapes small enough that
-    the GPU waits for the host, that is what it explains."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if rt.cuda:
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities, with_stack=True) as prof:
-        for _ in range(HOST_TRACE_STEPS):
+def profile_steps(
+    built: Built, x: Tensor, dy: Tensor, rt: Runtime, path: str, steps: int = 1, host=False
+) -> None:
+    """``steps`` more steps under torch.profiler, their chrome trace written to ``path``.
+
+    Default (``--trace-dir``): CUDA activity only, as launch/pretrain.py's --trace-step, for
+    bench/timeline.py. ``host`` (``--host-trace``): the host's activity too, with Python
+    stacks, for bench/hoststats.py (self and inclusive host time per Python function and
+    operator); run it at shapes small enough that the GPU waits for the host, which is what
+    it explains."""
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    if host:
+        activities = [torch.profiler.ProfilerActivity.CPU] + (activities if rt.cuda else [])
+    with torch.profiler.profile(activities=activities, with_stack=host) as prof:
+        for _ in range(steps):
             run_step(built, x, dy)
         rt.sync()
-    os.makedirs(rt.host_trace, exist_ok=True)
-    prof.export_chrome_trace(os.path.join(rt.host_trace, f"host-{name}-rank-{rt.rank}.json.gz"))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    prof.export_chrome_trace(path)
 
 
 def memory_trace_step(built: Built, x: Tensor, dy: Tensor, rt: Runtime) -> dict:
