@@ -1177,6 +1177,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--repeats, --pool, --seq, --head-dim must be >= 1 and --warmup >= 0")
     if args.memory_trace and args.cpu:
         parser.error("--memory-trace reads the CUDA allocator's history: not with --cpu")
+    if args.trace_dir and args.cpu:
+        parser.error(
+            "--trace-dir records GPU activity: not with --cpu (--host-trace records the host's)"
+        )
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; init_runtime checks it again
     if world < 2:
         parser.error("run under torchrun with --nproc_per_node >= 2 (the TP size P)")

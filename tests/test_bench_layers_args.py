@@ -21,3 +21,13 @@ def test_memory_trace_needs_a_gpu(capsys, monkeypatch):
     assert layers.parse_args(
         ["--cpu", "--hidden", "64", "--head-dim", "16", "--tokens", "64", "--seq", "32"]
     ).cpu
+
+
+def test_trace_dir_needs_a_gpu(capsys, monkeypatch):
+    # before: every variant failed mid-run with torch.profiler's "No activities specified"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as exit_info:
+        layers.parse_args(["--cpu", "--trace-dir", "/tmp/t"])
+    assert exit_info.value.code == 2
+    assert "--trace-dir records GPU activity: not with --cpu" in capsys.readouterr().err
+    assert layers.parse_args(["--cpu", "--host-trace", "/tmp/t"]).host_trace == "/tmp/t"
