@@ -160,6 +160,38 @@ def predicted_allocated_gib(pred) -> float:
     )
 
 
+class GcTimer:
+    """Python's garbage collections while started: runs and total milliseconds per generation,
+    read from ``gc.callbacks`` (the collector calls them at each collection's start and stop)."""
+
+    def __init__(self) -> None:
+        self.runs = [0, 0, 0]
+        self.ms = [0.0, 0.0, 0.0]
+        self._began = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.runs[info["generation"]] += 1
+            self.ms[info["generation"]] += (time.perf_counter() - self._began) * 1e3
+
+    def start(self) -> None:
+        if self._callback not in gc.callbacks:
+            gc.callbacks.append(self._callback)
+
+    def stop(self) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+
+    def summary(self, steps: int) -> dict:
+        """Per timed step: runs and milliseconds of each generation's collections."""
+        return {
+            "runs_per_step": [n / steps for n in self.runs],
+            "ms_per_step": [round(t / steps, 3) for t in self.ms],
+        }
+
+
 def run_case(
     case: Case,
     device: torch.device,
@@ -168,6 +200,7 @@ def run_case(
     profile: bool = False,
     memory_trace: bool = False,
     trace_path: str | None = None,
+    manual_gc: bool = False,
 ) -> dict:
     """Measure one case: median step seconds, peak allocated GiB, the allocated GiB when the
     timed steps start (model states, Adam moments included) and, with ``memory_trace``, what
@@ -175,7 +208,11 @@ def run_case(
     allocated before the case started (``leftover_gib``: tensors an earlier case in the same
     process left behind; counting them made later rows read 4-16 GiB high). With
     ``trace_path``, one more untimed step runs under torch.profiler (CUDA activity only, as
-    launch/pretrain.py's --trace-step) and its timeline is written there for bench/timeline.py."""
+    launch/pretrain.py's --trace-step) and its timeline is written there for bench/timeline.py.
+    The result also counts Python's garbage collections inside the timed steps (``gc``: runs and
+    milliseconds per generation): a long collection on one rank stalls the other at the next
+    transfer. With ``manual_gc`` (Megatron-LM's --manual-gc) the objects built so far are
+    frozen, the collector is off during steps and one collection runs between steps, untimed."""
     gc.collect()
     torch.cuda.empty_cache()
     leftover = torch.cuda.memory_allocated()
@@ -259,6 +296,11 @@ def run_case(
 
     times = []
     profiler = None
+    collections = GcTimer()
+    if manual_gc:
+        gc.collect()
+        gc.freeze()
+        gc.disable()
     for step in range(warmup + steps):
         if profile and step == warmup:
             profiler = torch.profiler.profile(
@@ -275,15 +317,25 @@ def run_case(
         tracing = memory_trace and step == warmup + steps - 1
         if tracing:
             torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+        if step == warmup:
+            collections.start()
         start = time.perf_counter()
         train_step(model, optimizer)
         if step >= warmup:
             times.append(time.perf_counter() - start)
+        if manual_gc:
+            collections.stop()
+            gc.collect()
+            collections.start()
         if tracing:
             import memtrace
 
             trace = memtrace.summarize(torch.cuda.memory._snapshot(), device.index)
             torch.cuda.memory._record_memory_history(enabled=None)
+    collections.stop()
+    if manual_gc:
+        gc.enable()
+        gc.unfreeze()
     if profiler is not None:
         profiler.__exit__(None, None, None)
         if dist.get_rank() == 0:
@@ -297,6 +349,8 @@ def run_case(
         os.makedirs(os.path.dirname(trace_path) or ".", exist_ok=True)
         prof.export_chrome_trace(trace_path)
     peak = (torch.cuda.max_memory_allocated() - leftover) / 2**30
+    gc_by_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(gc_by_rank, {**collections.summary(steps), "steps_s": times})
     peak_t = torch.tensor([peak], device=device)
     dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
     del model, gpt, optimizer
@@ -305,6 +359,7 @@ def run_case(
     parallel_state.destroy_model_parallel()
     result = {
         "step_s": statistics.median(times),
+        "by_rank": gc_by_rank,
         "peak_gib": peak_t.item(),
         "base_gib": base_gib,
         "leftover_gib": leftover / 2**30,
@@ -339,6 +394,12 @@ def main() -> None:
         default=None,
         help="after the timed steps, trace one more step per case (CUDA activity only) into "
         "DIR/case-<index>-rank-<rank>.json.gz for bench/timeline.py",
+    )
+    parser.add_argument(
+        "--manual-gc",
+        action="store_true",
+        help="freeze the objects built before the steps, keep Python's garbage collector off "
+        "during steps and collect between them, untimed (Megatron-LM's --manual-gc)",
     )
     parser.add_argument("--out", default=None, help="write the measured rows as JSON here (rank 0)")
     parser.add_argument(
@@ -390,6 +451,7 @@ def main() -> None:
                 args.profile,
                 args.memory_trace,
                 trace_path,
+                args.manual_gc,
             )
         except Exception:  # the peer rank may now hang in a collective: stop the run
             print(f"FAILED {case}:\n{traceback.format_exc()}", flush=True)
