@@ -209,9 +209,9 @@ def run_case(
     process left behind; counting them made later rows read 4-16 GiB high). With
     ``trace_path``, one more untimed step runs under torch.profiler (CUDA activity only, as
     launch/pretrain.py's --trace-step) and its timeline is written there for bench/timeline.py.
-    The result also counts Python's garbage collections inside the timed steps (``gc``: runs and
-    milliseconds per generation): a long collection on one rank stalls the other at the next
-    transfer. With ``manual_gc`` (Megatron-LM's --manual-gc) the objects built so far are
+    ``by_rank`` gives every rank's timed step seconds and Python's garbage collections inside
+    them (runs and milliseconds per step, by generation): a long collection on one rank stalls
+    the other at the next transfer. With ``manual_gc`` (Megatron-LM's --manual-gc) the objects built so far are
     frozen, the collector is off during steps and one collection runs between steps, untimed."""
     gc.collect()
     torch.cuda.empty_cache()
@@ -323,10 +323,11 @@ def run_case(
         train_step(model, optimizer)
         if step >= warmup:
             times.append(time.perf_counter() - start)
-        if manual_gc:
+        if manual_gc:  # between steps, outside the timer and the counts
             collections.stop()
             gc.collect()
-            collections.start()
+            if step >= warmup:
+                collections.start()
         if tracing:
             import memtrace
 
