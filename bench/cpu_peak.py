@@ -7,10 +7,10 @@ one forward and backward of each ring MLP on gloo ranks (fp32, P = world size) u
 torch.profiler's memory recording and prints, on rank 0, the most bytes alive above what was
 allocated before the step, in units of one ``[tokens/P, hidden]`` block (the input chunk X;
 ``--tokens`` = ``--hidden`` gives a weight shard of 4 blocks at P = 2, the proportions of
-h 8192 / 8K tokens, where the GPU's 17 blocks were 1.0625 GiB). Rows: the two-pass MLP with
-the activation as a plain callable (a nested autograd graph, dA copied over A) and as the
-``ClosedFormActivation`` StparMLP passes (dA written over A), and the fused pass.
-BENCHMARKS.md, eighteenth session.
+h 8192 / 8K tokens, where the GPU's 17 blocks were 1.0625 GiB). Rows: the two-pass MLP and the
+fused pass, each with the activation as a plain callable (a nested autograd graph; the two
+passes copy dA over A) and as the ``ClosedFormActivation`` StparMLP passes (dA written over
+A). BENCHMARKS.md, eighteenth and nineteenth sessions.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ import torch.nn.functional as F
 from ds_stpar.layers.activation import ClosedFormActivation
 from ds_stpar.layers.ring_mlp import ring_mlp, ring_two_pass_mlp
 
-VARIANTS = ("two-pass", "two-pass-closed-form", "fused")
+VARIANTS = ("two-pass", "two-pass-closed-form", "fused", "fused-closed-form")
 
 
 def peak_blocks(group, hidden: int, tokens: int, variant: str) -> float:
     """Peak bytes above the step's start over one ``[tokens/P, hidden]`` fp32 block, for
-    ``variant`` in ``two-pass``, ``two-pass-closed-form``, ``fused`` (no biases; the output
+    ``variant`` in :data:`VARIANTS` (no biases; the output
     stays referenced through the backward, as a training step's loss keeps it)."""
     size = group.size()
     ffn = 4 * hidden // size
@@ -42,7 +42,7 @@ def peak_blocks(group, hidden: int, tokens: int, variant: str) -> float:
     act = ClosedFormActivation(F.gelu) if variant.endswith("closed-form") else F.gelu
 
     def step() -> None:
-        if variant == "fused":
+        if variant.startswith("fused"):
             y = ring_mlp(x, w1, None, w2, act, group, pieces=1, min_piece_flop=0)
         else:
             y = ring_two_pass_mlp(x, w1, None, w2, act, group)

@@ -307,17 +307,30 @@ def check_ring_mlp(
     _close(fc1.bias.grad, ref1.bias.grad[cols], f"{what}: fc1 bias grad")
 
 
-def check_two_pass_refuses_a_second_backward(group) -> None:
+def check_a_second_backward_over_da_is_refused(group) -> None:
     """ring_two_pass_mlp's backward writes dA over the saved A (by a copy, or by the closed
-    form's kernel writing into it): autograd must refuse to run it again through the same
-    graph rather than compute from dA."""
-    for act in (F.gelu, ClosedFormActivation(F.gelu)):
-        x = _rand(1, S, B, HIDDEN).float().requires_grad_()
-        w1, w2 = _rand(2, FFN, HIDDEN).float(), _rand(3, HIDDEN, FFN).float().requires_grad_()
-        y = ring_two_pass_mlp(x, w1, None, w2, act, group)
+    form's kernel writing into it), and so does the fused ring_mlp's with the closed form:
+    autograd must refuse to run them again through the same graph rather than compute from
+    dA. The fused pass with a plain callable leaves A alone, and a second backward through it
+    gives the first one's gradients again."""
+    x = _rand(1, S, B, HIDDEN).float().requires_grad_()
+    w1, w2 = _rand(2, FFN, HIDDEN).float(), _rand(3, HIDDEN, FFN).float().requires_grad_()
+    runs = [
+        (lambda act: ring_two_pass_mlp(x, w1, None, w2, act, group), F.gelu),
+        (lambda act: ring_two_pass_mlp(x, w1, None, w2, act, group), ClosedFormActivation(F.gelu)),
+        (lambda act: ring_mlp(x, w1, None, w2, act, group), ClosedFormActivation(F.gelu)),
+    ]
+    for run, act in runs:
+        y = run(act)
         y.sum().backward(retain_graph=True)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             y.sum().backward()
+    x.grad = None
+    y = ring_mlp(x, w1, None, w2, F.gelu, group)
+    y.sum().backward(retain_graph=True)
+    first = x.grad.clone()
+    y.sum().backward()
+    _close(x.grad, 2 * first, "fused ring_mlp, plain callable: second backward")
 
 
 def check_attention(group, mode, seed) -> None:
@@ -506,6 +519,10 @@ def _all_layer_checks(group, mode, seed) -> None:
             group, seed + 1900, glu=False, fusion=False, pieces=1, two_pass=True, closed_form=True
         )
         check_ring_mlp(group, seed + 2000, glu=True, fusion=False, pieces=3, closed_form=True)
+        check_ring_mlp(group, seed + 2100, glu=False, fusion=True, pieces=2, closed_form=True)
+        check_ring_mlp(
+            group, seed + 2200, glu=True, fusion=False, pieces=1, dx=False, closed_form=True
+        )
 
 
 def _worker(rank: int, world_size: int) -> None:
@@ -523,7 +540,8 @@ def _worker(rank: int, world_size: int) -> None:
     check_row(single, "ring", 71_000 + rank)
     check_ring_mlp(single, 72_000 + rank, glu=True, fusion=False, pieces=2)
     check_ring_mlp(single, 73_000 + rank, glu=True, fusion=False, pieces=1, two_pass=True)
-    check_two_pass_refuses_a_second_backward(single)
+    check_a_second_backward_over_da_is_refused(single)
+    check_a_second_backward_over_da_is_refused(pair)
 
 
 @pytest.mark.dist

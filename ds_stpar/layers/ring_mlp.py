@@ -28,7 +28,10 @@ them saves the third activation stream a memory-lean backward would need) and th
 pre-activation A (``[M, F/P]``), not act(A): the activation is recomputed per piece, one
 elementwise pass. Against Megatron TP+SP, which saves X's own chunk, A and act(A)
 (``M K/P + M F/P + M F'/P``), this holds ``M K + M F/P``: at P = 2 with F = F' = 4K, 3 MK
-instead of 4.5 MK. Communication volume equals Megatron's all-gather / reduce-scatter minus
+instead of 4.5 MK. Every piece's backward runs once, so with a :class:`ClosedFormActivation`
+it writes dA over the piece's rows of A, act(A) freed before dY W2 is made
+(:func:`activation_backward`); a second backward through the same graph is then refused by
+autograd's in-place check. Communication volume equals Megatron's all-gather / reduce-scatter minus
 the backward's re-gather of X: four streams of (P-1)/P of the activation instead of five.
 
 **Two passes**, :func:`ring_two_pass_mlp`: fc1's column pass, act, fc2's row pass
@@ -132,6 +135,24 @@ def _accumulate_around_ring(
     return own
 
 
+def activation_backward(
+    act: Activation, a: Tensor, dy: Tensor, w2: Tensor, wgrad2: WeightGrad | None
+) -> Tensor:
+    """dA for rows ``a`` of fc1's saved output, given fc2's output gradient ``dy`` for them:
+    dW2 += dy^T act(a) (when ``wgrad2``), dA = act'(a) (dy W2). With a
+    :class:`ClosedFormActivation` act(a) is freed before dy W2 is made and dA is written over
+    ``a`` (returned: the caller must not need A's rows again); otherwise act(a) and dA come
+    from a small graph (:func:`recompute_activation`) and dA is a fresh tensor."""
+    if isinstance(act, ClosedFormActivation):
+        if wgrad2 is not None:
+            wgrad2.add(dy, act(a))
+        return act.grad(a, dy @ w2, out=a)
+    h, da = recompute_activation(act, a, dy @ w2)
+    if wgrad2 is not None:
+        wgrad2.add(dy, h)
+    return da
+
+
 class _RingMLP(torch.autograd.Function):
     """forward / backward: the schedule of the module docstring."""
 
@@ -175,11 +196,10 @@ class _RingMLP(torch.autograd.Function):
         )
 
         def grad_pre_activation(c: int, dy_c: Tensor, lo: int, hi: int) -> Tensor:
-            """dA for rows lo:hi of chunk c, accumulating this rank's weight and bias grads."""
+            """dA for rows lo:hi of chunk c, accumulating this rank's weight and bias grads;
+            each rows' backward runs once, so a closed form writes dA over their A."""
             at = slice(c * rows + lo, c * rows + hi)
-            h, da = recompute_activation(ctx.act, a_all[at], dy_c[lo:hi] @ w2)
-            if wgrad2 is not None:
-                wgrad2.add(dy_c[lo:hi], h)
+            da = activation_backward(ctx.act, a_all[at], dy_c[lo:hi], w2, wgrad2)
             if wgrad1 is not None:
                 wgrad1.add(da, x_all[at])
             if db1 is not None:
@@ -225,7 +245,9 @@ def ring_mlp(
     maps ``[..., F/P] -> [..., F'/P]`` (a GLU halves it). ``main_grad1/2``: accumulate the
     weight gradients there in fp32 (Megatron's gradient_accumulation_fusion). Chunks travel in
     at most ``pieces`` row pieces of at least ``min_piece_flop`` forward GEMM FLOPs each
-    (``min_piece_flop`` <= 0: exactly ``pieces``)."""
+    (``min_piece_flop`` <= 0: exactly ``pieces``). With a :class:`ClosedFormActivation` the
+    backward writes dA over the saved A, so a second backward through the same graph
+    (``retain_graph=True``) is refused by autograd's in-place check."""
     return _RingMLP.apply(
         x_shard_m.contiguous(),
         w1,
@@ -266,15 +288,9 @@ class _RingTwoPassMLP(torch.autograd.Function):
 
         def visit(c: int, dy_c: Tensor) -> None:  # dA over A's chunk c
             a = a_tokens[c * rows : (c + 1) * rows]
-            if isinstance(ctx.act, ClosedFormActivation):  # act(A) gone before dA is made
-                if wgrad2 is not None:
-                    wgrad2.add(dy_c, ctx.act(a))
-                ctx.act.grad(a, dy_c @ w2, out=a)
-                return
-            h, da = recompute_activation(ctx.act, a, dy_c @ w2)
-            if wgrad2 is not None:
-                wgrad2.add(dy_c, h)
-            a.copy_(da)
+            da = activation_backward(ctx.act, a, dy_c, w2, wgrad2)
+            if da is not a:
+                a.copy_(da)
 
         ring_pass(ctx.group, rotate=dy_tokens, visit=visit)
         da_tokens = a_tokens
