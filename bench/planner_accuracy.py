@@ -44,8 +44,8 @@ class Case:
     recompute: str = "none"
     # ring: the MLP as one fused ring pass; False (rows saved before it existed): two linears
     fused_ring_mlp: bool = False
-    # ring: k >= 2 runs each layer in k batch pieces (InterleavedTransformerLayer); the planner
-    # does not model it and predicts the plain ring layer
+    # ring: k >= 2 runs each layer in k batch pieces (InterleavedTransformerLayer), priced by
+    # the planner's interleaved_block (nineteenth session; before, as the plain ring layer)
     interleave: int = 0
 
 
@@ -128,6 +128,7 @@ def predict(case: Case, spec, gpu_name: str, world: int, profile=None):
         recompute=case.recompute,
         sequence_parallel=case.tp > 1,
         fused_ring_mlp=case.fused_ring_mlp,
+        interleave=case.interleave,
     )
     calibration = Calibration.load_default(gpu_name, stack="megatron-core-local")
     spec = dataclasses.replace(spec, max_position_embeddings=case.seq_len)

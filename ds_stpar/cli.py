@@ -343,6 +343,13 @@ def plan_command_parser(subparsers=None) -> argparse.ArgumentParser:
     )
     out.add_argument("--top", type=int, default=5, help="layouts to rank (default 5)")
     _add_tp_modes_arg(out)
+    out.add_argument(
+        "--interleave",
+        action="store_true",
+        help="also rank ring layouts as the interleaved layer of 2 pieces (Megatron-LM with "
+        "unpacked micro-batches of whole sequences, DS_STPAR_INTERLEAVE; it wins over slow TP "
+        "links; the training loop packs rows and cannot run it)",
+    )
     out.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     _add_data_args(parser, required=False)
     parser.set_defaults(func=plan_command)
@@ -423,6 +430,7 @@ def plan_command(args: argparse.Namespace) -> int:
         top_k=args.top,
         tp_modes=tuple(args.tp_modes),
         allow_tp_across_nodes=args.allow_tp_across_nodes or None,
+        interleave=args.interleave,
     )
     allow = args.allow_tp_across_nodes or None
     loop = None
@@ -543,6 +551,14 @@ def estimate_command_parser(subparsers=None) -> argparse.ArgumentParser:
         action="store_true",
         help="ring: the MLP as the two ring linears' passes instead of one fused ring pass",
     )
+    s.add_argument(
+        "--interleave",
+        type=int,
+        default=0,
+        metavar="K",
+        help="ring: each layer as the interleaved layer of K >= 2 pieces of the micro-batch's "
+        "sequences (rule 17; 0: off)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     parser.set_defaults(func=estimate_command)
     return parser
@@ -579,6 +595,7 @@ def estimate_command(args: argparse.Namespace) -> int:
         vpp_layers=args.vpp_layers,
         fused_ring_mlp=not args.ring_linear_mlp,
         recompute_layers=args.recompute_layers,
+        interleave=args.interleave,
     )
     rules.check(model, cluster, train, strategy)
     est = estimate(model, cluster, train, strategy)

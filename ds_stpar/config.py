@@ -528,6 +528,10 @@ class Strategy:
     (``ring_two_pass_mlp``).
     ``first_stage_layers`` / ``last_stage_layers``: uneven pipeline stages (Megatron's
     --decoder-first/last-pipeline-num-layers); 0 means even.
+    ``interleave`` (ring layouts only): k >= 2 runs each layer as
+    :class:`~ds_stpar.layers.interleave.InterleavedTransformerLayer`, k pieces of the
+    micro-batch's sequences whose collectives hide behind each other's compute (0: off). The
+    micro-batch must hold a multiple of k sequences (rule 17).
     ``recompute_layers`` (full recompute only): recompute the first k layers of each
     pipeline stage and keep every activation of the others (Megatron's --recompute-method
     block --recompute-num-layers k); a stage of at most k layers recomputes them all. 0 means
@@ -545,9 +549,14 @@ class Strategy:
     last_stage_layers: int = 0
     fused_ring_mlp: bool = True
     recompute_layers: int = 0
+    interleave: int = 0
 
     def __post_init__(self) -> None:
         _check_positive(self, "micro_batch")
+        if self.interleave < 0 or self.interleave == 1:
+            raise ConfigError(
+                f"interleave must be 0 (off) or a piece count >= 2, got {self.interleave}"
+            )
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {self.zero}")
         if self.recompute not in RECOMPUTE_MODES:
@@ -576,10 +585,22 @@ class Strategy:
         return min(self.recompute_layers or stage_layers, stage_layers)
 
     @property
+    def runs_interleaved(self) -> bool:
+        """Whether each layer runs as the interleaved layer: a ring layout over more than one
+        GPU with ``interleave`` pieces."""
+        return self.layout.tp > 1 and self.layout.tp_mode == "ring" and self.interleave > 1
+
+    @property
     def runs_fused_ring_mlp(self) -> bool:
         """Whether the MLP runs as one fused ring pass: a ring layout over more than one GPU
-        with ``fused_ring_mlp`` on."""
-        return self.layout.tp > 1 and self.layout.tp_mode == "ring" and self.fused_ring_mlp
+        with ``fused_ring_mlp`` on, outside the interleaved layer (whose linears run their
+        local GEMMs between its own collectives)."""
+        return (
+            self.layout.tp > 1
+            and self.layout.tp_mode == "ring"
+            and self.fused_ring_mlp
+            and not self.runs_interleaved
+        )
 
     def runs_fused_swiglu(self, model: ModelSpec) -> bool:
         """Whether a GPU run of ``model`` under this strategy uses megatron-core's fused SwiGLU:
@@ -596,6 +617,7 @@ class Strategy:
             self.layout.tp > 1
             and self.layout.tp_mode == "ring"
             and not self.fused_ring_mlp
+            and not self.runs_interleaved
             and not self.runs_fused_swiglu(model)
         )
 
@@ -609,7 +631,9 @@ class Strategy:
             parts.append("sp")
         if self.vpp_layers:
             parts.append(f"vpp{self.vpp_layers}")
-        if self.layout.tp_mode == "ring" and not self.fused_ring_mlp:
+        if self.runs_interleaved:
+            parts.append(f"interleave{self.interleave}")
+        elif self.layout.tp_mode == "ring" and not self.fused_ring_mlp:
             parts.append("ring-linear-mlp")
         return " ".join(parts)
 

@@ -44,9 +44,10 @@ def test_valid_strategies_pass():
     ring = dataclasses.replace(VALID, layout=Layout(dp=2, tp=4, pp=2, tp_mode="ring"))
     cannon = dataclasses.replace(ring, layout=Layout(dp=2, tp=4, pp=2, tp_mode="cannon"))
     interleaved = dataclasses.replace(VALID, vpp_layers=4)
-    for strategy in (ring, cannon, interleaved):
+    layer_pieces = dataclasses.replace(ring, interleave=ring.micro_batch)  # rule 17
+    for strategy in (ring, cannon, interleaved, layer_pieces):
         assert violations(MODEL, CLUSTER, TRAIN, strategy) == []
-    assert len(RULES) == 16
+    assert len(RULES) == 17
 
 
 def test_check_lists_every_violation():

@@ -54,6 +54,7 @@ from ds_stpar.planner.compute import (
     Speed,
     attention_core,
     block_elementwise,
+    block_linears,
     embedding,
     head_chunk,
     main_grad_accumulation,
@@ -64,6 +65,7 @@ from ds_stpar.planner.tensor_parallel import (
     BlockTP,
     cannon_block,
     head_seqs,
+    interleaved_block,
     megatron_block,
     ring_block,
     ring_mlp_pieces,
@@ -234,8 +236,17 @@ class _Context:
         self.fused_glu = ev.cal.local and strategy.runs_fused_swiglu(model)
         #: the MLP's two ring passes in one node (layers/ring_mlp.py)
         self.two_pass_mlp = strategy.runs_ring_two_pass_mlp(model)
+        #: pieces of the interleaved layer (layers/interleave.py), 0 when it does not run
+        self.interleave = strategy.interleave if strategy.runs_interleaved else 0
         self.activations = ev.activations
-        if self.fused_mlp:
+        if self.interleave:
+            acts = (
+                mem.fused_glu_activations(ev.activations, model, self.e)
+                if self.fused_glu
+                else mem.ring_mlp_activations(ev.activations, model, self.e, ev.cal.local)
+            )
+            self.activations = mem.interleaved_activations(acts, model, self.e, ev.cal.local)
+        elif self.fused_mlp:
             self.activations = mem.fused_ring_mlp_activations(
                 ev.activations, model, self.e, ev.cal.local
             )
@@ -290,18 +301,46 @@ def block_tp(ctx: _Context) -> BlockTP:
     )
 
 
+def interleaved_recompute(ctx: _Context) -> float:
+    """Backward seconds the interleaved layer adds on every token: the two norms' outputs
+    recomputed (read + write e h each), and act(A) for fc2's weight gradient where the MLP
+    saved A only (read e f1 / t, write e f / t; not with megatron-core's fused SwiGLU)."""
+    model, e, speed = ctx.model, ctx.e, ctx.speed
+    norms = speed.memory(2 * 2 * e * ctx.tokens * model.hidden_size)
+    if ctx.fused_glu:
+        return norms
+    _, _, fc1, fc2 = block_linears(model)
+    return norms + speed.elementwise(e * ctx.tokens * (fc1.n + fc2.k) / ctx.t)
+
+
 def block_cost(ctx: _Context) -> BlockCost:
     """Forward, backward and recompute seconds of one block for one micro-batch."""
-    linears = block_tp(ctx)
     attention = attention_core(
         ctx.model,
         ctx.train.seq_len,
         head_seqs(ctx.strategy.micro_batch, ctx.model, ctx.t),
         ctx.speed,
     )
-    elementwise = block_elementwise(
-        ctx.model, ctx.tokens, ctx.t, ctx.sharded, ctx.speed, ctx.fused_glu
-    )
+    if ctx.interleave:  # norms and residual adds on every token, the transfers per piece
+        elementwise = block_elementwise(
+            ctx.model, ctx.tokens, ctx.t, False, ctx.speed, ctx.fused_glu
+        ) + Phase(0.0, interleaved_recompute(ctx))
+        linears = interleaved_block(
+            ctx.model,
+            ctx.tokens,
+            ctx.t,
+            ctx.links.tp,
+            ctx.speed,
+            ctx.cal.overlap_fraction,
+            ctx.interleave,
+            attention,
+            elementwise,
+        )
+    else:
+        elementwise = block_elementwise(
+            ctx.model, ctx.tokens, ctx.t, ctx.sharded, ctx.speed, ctx.fused_glu
+        )
+        linears = block_tp(ctx)
     work = linears.gemm + attention + elementwise
     recompute, recompute_comm = 0.0, 0.0
     if ctx.strategy.recompute == "full":
@@ -363,9 +402,12 @@ def layer_host_calls(ctx: _Context, again: bool) -> tuple[int, int]:
     become (P - 1) (1 + k) P2P batches per pass (one rotation, k partial-sum pieces per step),
     forward and backward (recompute + one pass). Cannon, per linear: q - 1 shift batches forward and q
     backward (the last carries the dX accumulator alone), and two re-layouts each way, each
-    one P2P batch: 4 (2q + 3) (recompute +4 (q + 1)); no collective."""
+    one P2P batch: 4 (2q + 3) (recompute +4 (q + 1)); no collective. The interleaved layer,
+    per piece: a gather, an all-reduce and a reduce-scatter each way: 6k (recompute +3k)."""
     if ctx.t == 1:
         return 0, 0
+    if ctx.interleave:  # per piece a gather, an all-reduce and a reduce-scatter each way
+        return 3 * ctx.interleave * (2 + (1 if again else 0)), 0
     if ctx.mode == "ring":
         if ctx.fused_mlp:
             mlp_pass = 1 + ring_mlp_pieces(ctx.model, ctx.tokens, ctx.t)
@@ -406,7 +448,8 @@ def stage_host(ctx: _Context, layers: int, first: bool, last: bool) -> float:
         collectives, hops = layer_host_calls(ctx, recomputes)
         calls += count * (collectives * cal.host_collective_s + hops * cal.host_ring_hop_s)
     edges = edge_host_calls(ctx, first, last) * cal.host_collective_s
-    return layers * cal.host_layer_s + calls + edges
+    pieces = max(1, ctx.interleave)  # the interleaved layer runs its modules once per piece
+    return layers * pieces * cal.host_layer_s + calls + edges
 
 
 def stage_costs(ctx: _Context, block: BlockCost) -> list[StageCost]:

@@ -337,12 +337,15 @@ def megatron_env(train: TrainSpec, strategy: Strategy) -> dict[str, str]:
     Rule 12: CUDA_DEVICE_MAX_CONNECTIONS=1 when t > 1 (TP communication is then scheduled
     ahead of the GEMMs that need it; Blackwell no longer needs it). Ring/Cannon layers read
     their mode from DS_STPAR_TP_MODE when Megatron calls the spec function with no argument,
-    and a ring's MLP fusion from DS_STPAR_FUSED_RING_MLP (set when the strategy turns it off).
+    and a ring's MLP fusion from DS_STPAR_FUSED_RING_MLP (set when the strategy turns it off),
+    and the interleaved layer's pieces from DS_STPAR_INTERLEAVE.
     """
     env = dict(rules.megatron_options(train, strategy).env or {})
     if strategy.layout.tp > 1 and strategy.layout.tp_mode != "megatron":
         env["DS_STPAR_TP_MODE"] = strategy.layout.tp_mode
-        if strategy.layout.tp_mode == "ring" and not strategy.fused_ring_mlp:
+        if strategy.runs_interleaved:
+            env["DS_STPAR_INTERLEAVE"] = str(strategy.interleave)
+        elif strategy.layout.tp_mode == "ring" and not strategy.fused_ring_mlp:
             env["DS_STPAR_FUSED_RING_MLP"] = "0"
     return env
 

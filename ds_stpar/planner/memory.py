@@ -258,6 +258,23 @@ def fused_ring_mlp_activations(
     return dataclasses.replace(acts, residual=acts.residual - e * h, whole=acts.whole + e * h)
 
 
+def interleaved_activations(
+    acts: LayerActivations, model: ModelSpec, e: int, local: bool
+) -> LayerActivations:
+    """``acts`` (with the MLP's own transform applied) under the interleaved layer
+    (``layers/interleave.py``): it keeps the gathered layer input and the all-reduced middle,
+    the two norms' inputs, for all tokens on every rank (``whole``, 2 e h, with the norms'
+    fp32 statistics on the local stack), and recomputes the norms' outputs, the column GEMMs'
+    inputs, in the backward: the residual stream's 4 e h (and statistics) leave ``residual``."""
+    stats = 2 * norm_stat_bytes(model) if local else 0
+    h = model.hidden_size
+    return dataclasses.replace(
+        acts,
+        residual=acts.residual - 4 * e * h - stats,
+        whole=acts.whole + 2 * e * h + stats,
+    )
+
+
 def inflight_layers(stage: int, layers: int, pp: int, m: int, v: int) -> float:
     """Layers' worth of micro-batch activations stage ``stage`` holds at its peak.
 

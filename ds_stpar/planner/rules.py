@@ -27,6 +27,7 @@ in a :class:`MegatronOptions`; :func:`megatron_options` gives the values ds-stpa
 | 14 | ring: sequence parallel on (its boundary layout) and seq_len % t == 0 |
 | 15 | Cannon: t = q^2, q >= 2; SP on; seq_len % t, hidden % q, FFN % t, QKV width % t == 0 |
 | 16 | a TP group stays inside a node unless TP across nodes is allowed |
+| 17 | interleaved layer: ring with t > 1, micro-batch % pieces == 0, no dropout |
 """
 
 from __future__ import annotations
@@ -339,6 +340,27 @@ def rule_16(x: _Case) -> str | None:
     )
 
 
+def rule_17(x: _Case) -> str | None:
+    """What ``layers/interleave.py`` needs to run its pieces (else it falls back to
+    Megatron's layer, which the planner would have priced wrongly): ring layers in a TP
+    group of more than one rank, a micro-batch of whole sequences the pieces divide (a
+    packed row cannot be cut), and no dropout (every rank adds the residual to every row,
+    so per-rank dropout masks would differ)."""
+    k = x.strategy.interleave
+    if k < 2:
+        return None
+    if x.strategy.layout.tp_mode != "ring" or x.t == 1:
+        return f"rule 17: interleave {k} needs ring TP over more than one GPU (tp {x.t})"
+    if x.strategy.micro_batch % k:
+        return (
+            f"rule 17: interleave {k} cuts the micro-batch's sequences into {k} pieces; "
+            f"micro-batch {x.strategy.micro_batch} % {k} != 0"
+        )
+    if x.model.dropout > 0:
+        return f"rule 17: interleave needs dropout 0 (the model has {x.model.dropout})"
+    return None
+
+
 RULES: dict[int, Callable[[_Case], str | None]] = {
     number: fn
     for number, fn in enumerate(
@@ -359,6 +381,7 @@ RULES: dict[int, Callable[[_Case], str | None]] = {
             rule_14,
             rule_15,
             rule_16,
+            rule_17,
         ),
         start=1,
     )

@@ -213,8 +213,10 @@ class _Search:
         top_k: int,
         calibration: Calibration | None,
         allow: bool,
+        interleave: bool = False,
     ) -> None:
         self.model, self.cluster, self.train = model, cluster, train
+        self.interleave = interleave
         self.ev = Evaluator(model, cluster, train, calibration)
         self.capacity = cluster.gpu.hbm_gib
         self.allow = allow
@@ -294,8 +296,10 @@ class _Search:
         smallest = math.inf
         fitted = False
         flash = self.ev.cal.flash_attention
-        for sp, rc, fused in knob_grid(fam.layout, flash):
+        for sp, rc, fused, pieces in self.knobs(fam.layout, flash):
             for b in _micro_batches(fam, self.train):
+                if b % max(1, pieces):
+                    continue
                 m = self.train.global_batch // (b * fam.layout.dp)
                 any_fit = False
                 for vpp in _vpp_options(fam, self.model, m):
@@ -305,6 +309,7 @@ class _Search:
                         sequence_parallel=sp,
                         vpp_layers=vpp,
                         fused_ring_mlp=fused,
+                        interleave=pieces,
                     )
                     self.considered += 1
                     peak = self.peak(strategy)
@@ -322,6 +327,23 @@ class _Search:
         if not fitted:
             self.rejected[fam.name] = f"needs {smallest:.1f} GiB, has {self.capacity:.1f}"
 
+    def knobs(self, layout: Layout, flash: bool) -> Iterator[tuple[bool, str, bool, int]]:
+        """:func:`knob_grid` plus, when asked and rule 17 can hold (a ring layout, no
+        dropout), the interleaved layer of 2 pieces (its linears run locally: the MLP
+        fusion does not apply). 4 pieces ran 2-7% slower than 2 on every measured case
+        while the model, which does not price a piece's fixed costs, ranks them ahead
+        (BENCHMARKS.md, nineteenth session): the search does not try them."""
+        for sp, rc, fused in knob_grid(layout, flash):
+            yield sp, rc, fused, 0
+            if (
+                self.interleave
+                and fused
+                and layout.tp_mode == "ring"
+                and layout.tp > 1
+                and self.model.dropout == 0
+            ):
+                yield sp, rc, fused, 2
+
     def result(self) -> SearchResult:
         top = [est for _, _, est in sorted(self.heap, key=lambda item: (-item[0], item[1]))]
         closest = None
@@ -338,13 +360,17 @@ def search(
     tp_modes: Sequence[str] = ("megatron", "ring", "cannon"),
     calibration: Calibration | None = None,
     allow_tp_across_nodes: bool | None = None,
+    interleave: bool = False,
 ) -> SearchResult:
-    """The ``top_k`` fastest strategies that fit, with reasons for the families that do not."""
+    """The ``top_k`` fastest strategies that fit, with reasons for the families that do not.
+    ``interleave``: also try ring layouts as the interleaved layer of 2 pieces (for
+    Megatron-LM runs of unpacked micro-batches of whole sequences; ds_stpar's training loop
+    packs rows and cannot run it)."""
     unknown = sorted(set(tp_modes) - set(TP_MODES))
     if unknown or top_k < 1:
         raise ConfigError(f"search: tp_modes must be among {TP_MODES} (got {unknown}), top_k >= 1")
     allow = cluster.tp_across_nodes if allow_tp_across_nodes is None else allow_tp_across_nodes
-    run = _Search(model, cluster, train, top_k, calibration, allow)
+    run = _Search(model, cluster, train, top_k, calibration, allow, interleave)
     for fam in families(model, cluster, tp_modes, allow):
         if isinstance(fam, tuple):
             run.rejected[fam[0]] = fam[1]

@@ -248,6 +248,96 @@ def ring_block(
     return result
 
 
+def _flow_shop(
+    attention: float, mlp: float, gather: float, middle: float, reduce: float, pieces: int
+) -> float:
+    """Seconds from the first gather to the end of one pass of the interleaved layer: the
+    compute stream runs every piece's attention half, then every piece's MLP half; the link
+    runs every piece's gather, then middle all-reduce, then reduction, one at a time. A half
+    waits for its piece's transfer before it, a transfer for its piece's half before it."""
+    link = compute = 0.0
+    gathered, attended, middled, done = [], [], [], []
+    for _ in range(pieces):
+        link += gather
+        gathered.append(link)
+    for arrived in gathered:
+        compute = max(compute, arrived) + attention
+        attended.append(compute)
+    for ready in attended:
+        link = max(link, ready) + middle
+        middled.append(link)
+    for arrived in middled:
+        compute = max(compute, arrived) + mlp
+        done.append(compute)
+    for ready in done:
+        link = max(link, ready) + reduce
+    return max(link, compute)
+
+
+def interleaved_block(
+    model: ModelSpec,
+    tokens: float,
+    tp: int,
+    link: Link,
+    speed: Speed,
+    overlap: float,
+    pieces: int,
+    attention: Phase,
+    elementwise: Phase,
+) -> BlockTP:
+    """The interleaved layer (``layers/interleave.py``), k pieces of T/k tokens: Megatron's
+    GEMMs on each piece (the linears run locally), and per piece a gather of its input, an
+    all-reduce in the middle and a reduce-scatter of its output, each of S/k (S = e T h); the
+    backward runs the adjoints (reduce-scatter, all-reduce, gather) in the mirror order.
+
+    Each pass is a two-machine flow shop (:func:`_flow_shop`) of the pieces' attention halves
+    (QKV and projection GEMMs, the attention core, half the elementwise work) and MLP halves
+    (fc1 and fc2, the other half). Exposed communication = the span minus the pass's work,
+    plus ``(1 - overlap)`` of the communication the span hides (a collective beside a GEMM
+    slows it, as Megatron's overlapped backward collectives in :func:`megatron_block`).
+    ``attention`` and ``elementwise`` are the block's (all T tokens); the returned GEMMs are
+    the pieces' together, the communication what stays exposed beside all of it."""
+    k, e = pieces, speed.e
+    qkv, proj, fc1, fc2 = (megatron_gemm(lin, tokens / k, tp) for lin in block_linears(model))
+    size = e * tokens * model.hidden_size / k
+    gather, middle, reduce = link.all_gather(size), link.all_reduce(size), link.reduce_scatter(size)
+    result = BlockTP(Phase(0, 0), Phase(0, 0))
+    for kind, seconds in (
+        ("all_gather", gather),
+        ("all_reduce", middle),
+        ("reduce_scatter", reduce),
+    ):
+        result.count(kind, seconds, 2 * k)
+
+    def backward(g: Gemm) -> float:
+        return speed.gemm(g.dgrad()) + speed.gemm(g.wgrad())
+
+    attention_gemms = Phase(speed.gemms([qkv, proj]), backward(qkv) + backward(proj))
+    mlp_gemms = Phase(speed.gemms([fc1, fc2]), backward(fc1) + backward(fc2))
+    gemm = Phase(
+        k * (attention_gemms.fwd + mlp_gemms.fwd), k * (attention_gemms.bwd + mlp_gemms.bwd)
+    )
+    # per piece: (the half the pass starts with, the other), each with half the elementwise
+    # work; the forward starts with attention, the backward with the MLP's adjoint
+    forward = (
+        attention_gemms.fwd + attention.fwd / k + elementwise.fwd / (2 * k),
+        mlp_gemms.fwd + elementwise.fwd / (2 * k),
+    )
+    backward_pass = (
+        mlp_gemms.bwd + elementwise.bwd / (2 * k),
+        attention_gemms.bwd + attention.bwd / k + elementwise.bwd / (2 * k),
+    )
+    comm = k * (gather + middle + reduce)
+    exposed = []
+    for first, second in (forward, backward_pass):
+        shown = max(
+            0.0, _flow_shop(first, second, gather, middle, reduce, k) - k * (first + second)
+        )
+        exposed.append(shown + (1.0 - overlap) * max(0.0, comm - shown))
+    result.gemm, result.comm = gemm, Phase(*exposed)
+    return result
+
+
 def cannon_relayout_elements(lin: Linear, tokens: float, q: int) -> tuple[float, float]:
     """Elements one rank receives in the (in, out) re-layouts of a Cannon linear's forward
     (``layers/cannon.py``; M = T tokens, P = q^2), the most any rank of the group receives:

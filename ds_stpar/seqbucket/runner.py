@@ -124,7 +124,8 @@ LOOP_RULE = "pp >= 1 (1F1B, even stages), ZeRO <= 2"  # loop_refusal's rule in w
 def loop_refusal(strategy: Strategy) -> str:
     """Why this training loop cannot run ``strategy``, as a home layout or another bucket's,
     every reason; "" when it can. It runs ZeRO 0-2 (ZeRO-3 shards the parameters that the
-    switch reads) and pipelines in non-interleaved 1F1B over even stages. The planner holds
+    switch reads), pipelines in non-interleaved 1F1B over even stages, and packed rows (no
+    interleaved layer). The planner holds
     its plans to the same rule (``planner.buckets``)."""
     reasons = []
     if strategy.zero not in LOOP_ZERO:
@@ -135,6 +136,12 @@ def loop_refusal(strategy: Strategy) -> str:
         )
     if strategy.first_stage_layers or strategy.last_stage_layers:
         reasons.append("it splits the layers evenly over the stages (uneven first/last stages)")
+    if strategy.interleave:
+        reasons.append(
+            f"it packs documents into rows, which the interleaved layer cannot cut into "
+            f"pieces of whole sequences (interleave={strategy.interleave}: a Megatron-LM run "
+            "of unpacked micro-batches, DS_STPAR_INTERLEAVE)"
+        )
     return ", and ".join(reasons)
 
 
