@@ -439,8 +439,9 @@ def edge_host_calls(ctx: _Context, first: bool, last: bool) -> int:
 def stage_host(ctx: _Context, layers: int, first: bool, last: bool) -> float:
     """Host seconds of one stage per micro-batch: ``layers`` x ``host_layer_s`` + each
     layer's collectives x ``host_collective_s`` + its hops x ``host_ring_hop_s`` (more in the
-    layers that recompute) + the edge calls. Zero unless the calibration sets host constants
-    (the local stack)."""
+    layers that recompute) + the edge calls; the interleaved layer ``k`` x
+    ``host_interleave_piece_s`` per layer (its collectives included) where the calibration
+    has it. Zero unless the calibration sets host constants (the local stack)."""
     cal = ctx.cal
     again = ctx.strategy.recomputed_layers(layers)
     calls = 0.0
@@ -448,8 +449,12 @@ def stage_host(ctx: _Context, layers: int, first: bool, last: bool) -> float:
         collectives, hops = layer_host_calls(ctx, recomputes)
         calls += count * (collectives * cal.host_collective_s + hops * cal.host_ring_hop_s)
     edges = edge_host_calls(ctx, first, last) * cal.host_collective_s
-    pieces = max(1, ctx.interleave)  # the interleaved layer runs its modules once per piece
-    return layers * pieces * cal.host_layer_s + calls + edges
+    if ctx.interleave:  # its modules run once per piece; a piece's collectives are its own
+        piece = cal.host_interleave_piece_s
+        return (
+            layers * ctx.interleave * (piece or cal.host_layer_s) + (0 if piece else calls) + edges
+        )
+    return layers * cal.host_layer_s + calls + edges
 
 
 def stage_costs(ctx: _Context, block: BlockCost) -> list[StageCost]:

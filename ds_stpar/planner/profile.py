@@ -34,7 +34,13 @@ from ds_stpar.errors import ConfigError, StparError
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 LOCAL_STACK = "megatron-core-local"
 STACKS = ("fused", LOCAL_STACK)
-HOST_FIELDS = ("host_layer_s", "host_collective_s", "host_ring_hop_s", "host_op_s")
+HOST_FIELDS = (
+    "host_layer_s",
+    "host_collective_s",
+    "host_ring_hop_s",
+    "host_op_s",
+    "host_interleave_piece_s",
+)
 
 # --------------------------------------------------------------------------------------
 # Calibration
@@ -76,7 +82,9 @@ class Calibration:
     the layers), ``host_collective_s`` (one Megatron TP collective with its autograd
     wrapper), ``host_ring_hop_s`` (one ring/Cannon step with a hop: P2P batch, stream waits,
     the extra sub-GEMM launch), ``host_op_s`` (one small PyTorch op, for the optimizer's
-    per-tensor work). Zero host constants mean host time is not modelled.
+    per-tensor work), ``host_interleave_piece_s`` (one piece of the interleaved layer,
+    forward + backward, with its collectives: it takes the place of ``host_layer_s`` there;
+    0 means ``host_layer_s`` per piece). Zero host constants mean host time is not modelled.
 
     Flash attention: ``flash_fraction`` of peak for head dims 64 and 128 (PyTorch's SDPA
     runs cuDNN's kernel there), ``flash_fraction_other_dims`` for any other head dim
@@ -114,6 +122,7 @@ class Calibration:
     host_collective_s: float = 0.0
     host_ring_hop_s: float = 0.0
     host_op_s: float = 0.0
+    host_interleave_piece_s: float = 0.0
     ring_mlp_pass_s: float = 0.0
 
     def __post_init__(self) -> None:
