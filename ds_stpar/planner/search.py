@@ -330,9 +330,9 @@ class _Search:
     def knobs(self, layout: Layout, flash: bool) -> Iterator[tuple[bool, str, bool, int]]:
         """:func:`knob_grid` plus, when asked and rule 17 can hold (a ring layout, no
         dropout), the interleaved layer of 2 pieces (its linears run locally: the MLP
-        fusion does not apply). 4 pieces ran 2-7% slower than 2 on every measured case
-        while the model, which does not price a piece's fixed costs, ranks them ahead
-        (BENCHMARKS.md, nineteenth session): the search does not try them."""
+        fusion does not apply). 4 pieces ran 0.5-13% slower than 2 in every measured case
+        while the model, which does not price a piece's fixed costs, ranks them 4-5% ahead
+        (``tests/test_interleave_plan.py``): the search does not try them."""
         for sp, rc, fused in knob_grid(layout, flash):
             yield sp, rc, fused, 0
             if (

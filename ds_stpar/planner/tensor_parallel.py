@@ -255,23 +255,22 @@ def _flow_shop(
     compute stream runs every piece's attention half, then every piece's MLP half; the link
     runs every piece's gather, then middle all-reduce, then reduction, one at a time. A half
     waits for its piece's transfer before it, a transfer for its piece's half before it."""
-    link = compute = 0.0
-    gathered, attended, middled, done = [], [], [], []
-    for _ in range(pieces):
-        link += gather
-        gathered.append(link)
-    for arrived in gathered:
-        compute = max(compute, arrived) + attention
-        attended.append(compute)
-    for ready in attended:
-        link = max(link, ready) + middle
-        middled.append(link)
-    for arrived in middled:
-        compute = max(compute, arrived) + mlp
-        done.append(compute)
-    for ready in done:
-        link = max(link, ready) + reduce
+    link, gathered = _in_turn(0.0, [0.0] * pieces, gather)
+    compute, attended = _in_turn(0.0, gathered, attention)
+    link, middled = _in_turn(link, attended, middle)
+    compute, done = _in_turn(compute, middled, mlp)
+    link, _ = _in_turn(link, done, reduce)
     return max(link, compute)
+
+
+def _in_turn(free: float, ready: list[float], length: float) -> tuple[float, list[float]]:
+    """One resource, free from ``free``, running a job of ``length`` per entry of ``ready`` in
+    order, none before its ready time: (when the resource is free again, each job's end)."""
+    ends = []
+    for at in ready:
+        free = max(free, at) + length
+        ends.append(free)
+    return free, ends
 
 
 def interleaved_block(
