@@ -302,42 +302,43 @@ def run_case(
         gc.collect()
         gc.freeze()
         gc.disable()
-    for step in range(warmup + steps):
-        if profile and step == warmup:
-            profiler = torch.profiler.profile(
-                activities=[
-                    torch.profiler.ProfilerActivity.CPU,
-                    torch.profiler.ProfilerActivity.CUDA,
-                ]
-            )
-            profiler.__enter__()
-        if step == warmup:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base_gib = (torch.cuda.memory_allocated() - leftover) / 2**30
-        tracing = memory_trace and step == warmup + steps - 1
-        if tracing:
-            torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
-        if step == warmup:
-            collections.start()
-        start = time.perf_counter()
-        train_step(model, optimizer)
-        if step >= warmup:
-            times.append(time.perf_counter() - start)
-        if manual_gc:  # between steps, outside the timer and the counts
-            collections.stop()
-            gc.collect()
-            if step >= warmup:
+    try:
+        for step in range(warmup + steps):
+            if profile and step == warmup:
+                profiler = torch.profiler.profile(
+                    activities=[
+                        torch.profiler.ProfilerActivity.CPU,
+                        torch.profiler.ProfilerActivity.CUDA,
+                    ]
+                )
+                profiler.__enter__()
+            if step == warmup:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base_gib = (torch.cuda.memory_allocated() - leftover) / 2**30
+            tracing = memory_trace and step == warmup + steps - 1
+            if tracing:
+                torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+            timed = step >= warmup
+            if timed:
                 collections.start()
-        if tracing:
-            import memtrace
+            start = time.perf_counter()
+            train_step(model, optimizer)
+            if timed:
+                times.append(time.perf_counter() - start)
+                collections.stop()
+            if manual_gc:  # between steps, outside the timer and the counts
+                gc.collect()
+            if tracing:
+                import memtrace
 
-            trace = memtrace.summarize(torch.cuda.memory._snapshot(), device.index)
-            torch.cuda.memory._record_memory_history(enabled=None)
-    collections.stop()
-    if manual_gc:
-        gc.enable()
-        gc.unfreeze()
+                trace = memtrace.summarize(torch.cuda.memory._snapshot(), device.index)
+                torch.cuda.memory._record_memory_history(enabled=None)
+    finally:
+        collections.stop()
+        if manual_gc:
+            gc.enable()
+            gc.unfreeze()
     if profiler is not None:
         profiler.__exit__(None, None, None)
         if dist.get_rank() == 0:

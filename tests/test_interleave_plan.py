@@ -91,7 +91,7 @@ def test_slow_link_interleaved_layer_within_ten_percent_and_ranked_first(gpu):
         got = measured[("ring-interleaved", h, tokens)]
         assert predicted["ring-interleaved"] / got - 1 == pytest.approx(0, abs=0.10), (h, tokens)
         assert min(predicted, key=predicted.get) == "ring-interleaved", (h, tokens, predicted)
-        assert min(measured[(v, h, tokens)] for v in VARIANTS) == got
+        assert min(measured[(v, h, tokens)] for v in VARIANTS) == got  # what it must match
         four = measured.get(("ring-interleaved-4", h, tokens))
         if four is not None:
             assert _layer_ms(gpu, links, "ring", h, tokens, pieces=4) / four - 1 == pytest.approx(
@@ -105,6 +105,7 @@ def test_nvlink_interleaved_layer_ranked_behind_megatron(gpu):
     # not prefer it there, and it does not in any case.
     links, measured = _links(gpu, "nvlink"), _measured(gpu, "nvlink")
     for h, tokens in _interleaved_cases(measured):
+        # what it must match, then the planner's ranking
         assert measured[("ring-interleaved", h, tokens)] > measured[("megatron-sp", h, tokens)]
         interleaved = _layer_ms(gpu, links, "ring-interleaved", h, tokens)
         assert interleaved > _layer_ms(gpu, links, "megatron-sp", h, tokens), (h, tokens)
@@ -200,3 +201,46 @@ def test_host_per_piece_reproduces_the_whole_model_runs():
         else:
             assert step[22] == pytest.approx(steps[22], rel=0.10)
             assert step[22] < min(step[20], step[21])
+
+
+def test_one_evaluator_prices_each_layer_mode_as_a_fresh_one():
+    # The evaluator caches block costs per layer configuration: the interleaved layer, the
+    # ring with two passes and with the fused MLP must each keep their own, in either order
+    # (the interleaved strategy once took the two-pass ring's entry, and back).
+    model = ModelSpec("m", 4, 4096, 32, vocab_size=32000, max_position_embeddings=4096)
+    cluster = ClusterSpec(load_gpu("h100-80g"), 2, 2, profile=_links("h100-80g", "slow"))
+    train = TrainSpec(4096, 8)
+    cal = Calibration.load_default("h100-80g", stack="megatron-core-local")
+    ring = Layout(1, 2, 1, "ring")
+    strategies = [
+        Strategy(ring, micro_batch=2, sequence_parallel=True, fused_ring_mlp=fused, interleave=k)
+        for fused, k in ((True, 2), (False, 0), (True, 0), (True, 4))
+    ]
+    fresh = [cost.estimate(model, cluster, train, s, cal).step_time_s for s in strategies]
+    assert len(set(fresh)) == len(fresh), fresh
+    for order in (strategies, strategies[::-1]):
+        ev = cost.Evaluator(model, cluster, train, cal)
+        shared = {s: ev.estimate(s).step_time_s for s in order}
+        assert [shared[s] for s in strategies] == fresh
+
+
+def test_interleaved_host_time_grows_with_recompute_and_ignores_non_ring_layouts():
+    # Full recompute issues each piece's forward collectives again: more host time per layer.
+    model = ModelSpec("m", 4, 1024, 8, vocab_size=32000, max_position_embeddings=4096)
+    cluster, train = ClusterSpec(load_gpu("h100-80g"), 2, 2), TrainSpec(4096, 8)
+    cal = Calibration.load_default("h100-80g", stack="megatron-core-local")
+    hosts = {}
+    for recompute in ("none", "full"):
+        strategy = Strategy(
+            Layout(1, 2, 1, "ring"),
+            micro_batch=2,
+            recompute=recompute,
+            sequence_parallel=True,
+            interleave=2,
+        )
+        ctx = cost._Context(cost.Evaluator(model, cluster, train, cal), strategy)
+        hosts[recompute] = cost.stage_host(ctx, 4, True, True)
+    assert hosts["full"] - hosts["none"] == pytest.approx(4 * 3 * 2 * cal.host_collective_s)
+    # a Megatron layout does not run the interleaved layer: the loop has nothing to refuse
+    megatron = Strategy(Layout(1, 2, 1), micro_batch=2, sequence_parallel=True, interleave=2)
+    assert not megatron.runs_interleaved and loop_refusal(megatron) == ""

@@ -439,9 +439,11 @@ def edge_host_calls(ctx: _Context, first: bool, last: bool) -> int:
 def stage_host(ctx: _Context, layers: int, first: bool, last: bool) -> float:
     """Host seconds of one stage per micro-batch: ``layers`` x ``host_layer_s`` + each
     layer's collectives x ``host_collective_s`` + its hops x ``host_ring_hop_s`` (more in the
-    layers that recompute) + the edge calls; the interleaved layer ``k`` x
-    ``host_interleave_piece_s`` per layer (its collectives included) where the calibration
-    has it. Zero unless the calibration sets host constants (the local stack)."""
+    layers that recompute) + the edge calls. The interleaved layer, where the calibration
+    has ``host_interleave_piece_s``: ``k`` x it per layer (fitted with its forward and
+    backward collectives in it) + the recomputed forward's 3k collectives in the layers that
+    recompute (the pieces' recomputed Python is not priced, as no layer's is). Zero unless
+    the calibration sets host constants (the local stack)."""
     cal = ctx.cal
     again = ctx.strategy.recomputed_layers(layers)
     calls = 0.0
@@ -449,12 +451,10 @@ def stage_host(ctx: _Context, layers: int, first: bool, last: bool) -> float:
         collectives, hops = layer_host_calls(ctx, recomputes)
         calls += count * (collectives * cal.host_collective_s + hops * cal.host_ring_hop_s)
     edges = edge_host_calls(ctx, first, last) * cal.host_collective_s
-    if ctx.interleave:  # its modules run once per piece; a piece's collectives are its own
-        piece = cal.host_interleave_piece_s
-        return (
-            layers * ctx.interleave * (piece or cal.host_layer_s) + (0 if piece else calls) + edges
-        )
-    return layers * cal.host_layer_s + calls + edges
+    if ctx.interleave and cal.host_interleave_piece_s:  # its modules run once per piece
+        recomputed = again * 3 * ctx.interleave * cal.host_collective_s
+        return layers * ctx.interleave * cal.host_interleave_piece_s + recomputed + edges
+    return layers * max(1, ctx.interleave) * cal.host_layer_s + calls + edges
 
 
 def stage_costs(ctx: _Context, block: BlockCost) -> list[StageCost]:
@@ -758,6 +758,9 @@ class Evaluator:
             ctx.links.tp,
             ctx.links.tp_p2p,
             ctx.fused_mlp,
+            ctx.two_pass_mlp,
+            ctx.fused_glu,
+            ctx.interleave,
         )
         cost = self._blocks.get(key)
         if cost is None:

@@ -341,16 +341,19 @@ def rule_16(x: _Case) -> str | None:
 
 
 def rule_17(x: _Case) -> str | None:
-    """What ``layers/interleave.py`` needs to run its pieces (else it falls back to
-    Megatron's layer, which the planner would have priced wrongly): ring layers in a TP
-    group of more than one rank, a micro-batch of whole sequences the pieces divide (a
-    packed row cannot be cut), and no dropout (every rank adds the residual to every row,
-    so per-rank dropout masks would differ)."""
+    """What ``layers/interleave.py`` needs to run the strategy's pieces as planned (else it
+    runs gcd(batch, k) pieces, or Megatron's layer when that is 1, which the planner would
+    have priced wrongly): ring layers in a TP group of more than one rank, a micro-batch of
+    whole sequences the pieces divide (a packed row cannot be cut), and no dropout (every
+    rank adds the residual to every row, so per-rank dropout masks would differ)."""
     k = x.strategy.interleave
     if k < 2:
         return None
     if x.strategy.layout.tp_mode != "ring" or x.t == 1:
-        return f"rule 17: interleave {k} needs ring TP over more than one GPU (tp {x.t})"
+        return (
+            f"rule 17: interleave {k} needs ring TP over more than one GPU "
+            f"(tp_mode {x.strategy.layout.tp_mode}, tp {x.t})"
+        )
     if x.strategy.micro_batch % k:
         return (
             f"rule 17: interleave {k} cuts the micro-batch's sequences into {k} pieces; "

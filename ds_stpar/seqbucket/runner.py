@@ -118,7 +118,7 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 LOOP_ZERO = (0, 1, 2)  # ZeRO-3 shards the parameters the switch reads
-LOOP_RULE = "pp >= 1 (1F1B, even stages), ZeRO <= 2"  # loop_refusal's rule in words
+LOOP_RULE = "pp >= 1 (1F1B, even stages), ZeRO <= 2, no interleaved layer"  # in words
 
 
 def loop_refusal(strategy: Strategy) -> str:
@@ -136,7 +136,7 @@ def loop_refusal(strategy: Strategy) -> str:
         )
     if strategy.first_stage_layers or strategy.last_stage_layers:
         reasons.append("it splits the layers evenly over the stages (uneven first/last stages)")
-    if strategy.interleave:
+    if strategy.runs_interleaved:
         reasons.append(
             f"it packs documents into rows, which the interleaved layer cannot cut into "
             f"pieces of whole sequences (interleave={strategy.interleave}: a Megatron-LM run "
