@@ -5,8 +5,8 @@ backends that do not coalesce) or, on NCCL, the process group's own coalesced se
 calls from the compute stream, with NCCL's stream ordering itself after the compute stream and
 the process group holding the buffers. The same checks run on both: gloo on the CPU (always)
 and NCCL on two GPUs (``gpu``: skipped where there are fewer). Each rank runs the ring column
-and row linears and the two-pass MLP (its activation a plain callable, and the closed form
-that writes dA over A) forward and backward 12 times (more batches than the
+and row linears and the two-pass and fused MLPs (each with its activation a plain callable,
+and the closed form that writes dA over A) forward and backward 12 times (more batches than the
 in-flight bound of 8, so the bound's host waits run too) and compares output, input gradient
 and weight gradients of the last round with a float64 reference of the whole problem.
 Tolerance: max |fp32 - fp64| <= 1e-5 * max |fp64|; the longest reduction is K = 64 terms
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ds_stpar.layers.activation import ClosedFormActivation
 from ds_stpar.layers.ring import ring_column_linear, ring_row_linear
-from ds_stpar.layers.ring_mlp import ring_two_pass_mlp
+from ds_stpar.layers.ring_mlp import ring_mlp, ring_two_pass_mlp
 from tests.distributed import run_workers
 
 ROUNDS = 12
@@ -76,9 +76,11 @@ def _check_row(group, device) -> None:
     _close(w_d.grad, (dy.t() @ x)[:, me * cols : (me + 1) * cols], "row weight grad")
 
 
-def _check_two_pass_mlp(group, device, act) -> None:
+def _check_ring_mlp(group, device, act, fused: bool = False) -> None:
     """fc2(act(fc1(x) + b1)) over [M/P, 1, K] chunks, fc1 [N/P, K] rows, fc2 [K, N/P] columns;
-    ``act`` gelu as a plain callable or as the ``ClosedFormActivation`` that writes dA over A."""
+    ``act`` gelu as a plain callable or as the ``ClosedFormActivation`` that writes dA over A;
+    ``fused``: the fused ring pass (``ring_mlp``, each chunk's partial sums in 2 row pieces)
+    instead of the two passes."""
     size, me = group.size(), group.rank()
     x, w1, b1, w2, dy = (
         _full(7, M, K),
@@ -96,9 +98,12 @@ def _check_two_pass_mlp(group, device, act) -> None:
         w1_d = _local(w1[me * cols : (me + 1) * cols], device)
         b1_d = _local(b1[me * cols : (me + 1) * cols], device)
         w2_d = _local(w2[:, me * cols : (me + 1) * cols], device)
-        y = ring_two_pass_mlp(x_d, w1_d, b1_d, w2_d, act, group)
+        if fused:
+            y = ring_mlp(x_d, w1_d, b1_d, w2_d, act, group, pieces=2, min_piece_flop=0)
+        else:
+            y = ring_two_pass_mlp(x_d, w1_d, b1_d, w2_d, act, group)
         y.backward(dy[me * rows : (me + 1) * rows, None].float().to(device))
-    what = f"two-pass MLP ({type(act).__name__})"
+    what = f"{'fused' if fused else 'two-pass'} MLP ({type(act).__name__})"
     _close(y[:, 0], y_ref.detach()[me * rows : (me + 1) * rows], f"{what} output")
     _close(x_d.grad[:, 0], leaves[0].grad[me * rows : (me + 1) * rows], f"{what} input grad")
     _close(w1_d.grad, leaves[1].grad[me * cols : (me + 1) * cols], f"{what} fc1 weight grad")
@@ -127,7 +132,8 @@ def _worker(rank: int, world_size: int, device_type: str) -> None:
     _check_column(group, device)
     _check_row(group, device)
     for act in (F.gelu, ClosedFormActivation(F.gelu)):
-        _check_two_pass_mlp(group, device, act)
+        for fused in (False, True):
+            _check_ring_mlp(group, device, act, fused)
     _check_closed_form_in_place(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
