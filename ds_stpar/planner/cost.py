@@ -254,6 +254,8 @@ class _Context:
             self.activations = mem.fused_glu_activations(ev.activations, model, self.e)
         elif self.two_pass_mlp:
             self.activations = mem.ring_mlp_activations(ev.activations, model, self.e, ev.cal.local)
+        if self.mode == "cannon" and self.t > 1:
+            self.activations = mem.cannon_activations(self.activations, model, self.e)
 
 
 def micro_batches(train: TrainSpec, strategy: Strategy) -> int:

@@ -274,6 +274,14 @@ def interleaved_activations(
     )
 
 
+def cannon_activations(acts: LayerActivations, model: ModelSpec, e: int) -> LayerActivations:
+    """``acts`` under Cannon (``layers/cannon.py``): each linear saves its input as the torus
+    block it re-laid out, the same bytes as the Megatron tensor it replaces, but the
+    projection's block is a copy of the attention output, which the attention core keeps too
+    (under Megatron the projection saves a view of it): e q more per token, over t."""
+    return dataclasses.replace(acts, parallel=acts.parallel + e * model.q_size)
+
+
 def inflight_layers(stage: int, layers: int, pp: int, m: int, v: int) -> float:
     """Layers' worth of micro-batch activations stage ``stage`` holds at its peak.
 
