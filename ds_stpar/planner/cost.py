@@ -727,10 +727,28 @@ def optimizer_step_bytes(ctx: _Context, psi: float) -> float:
 # --------------------------------------------------------------------------------------
 
 
+def block_key(ctx: _Context) -> tuple:
+    """What one block's cost depends on beyond the evaluator's model, train and calibration:
+    the strategy less its data-parallel, pipeline, ZeRO and block-recompute knobs (every
+    per-layer switch, such as the ring's MLP form or the interleaved layer, follows from the
+    rest and the model) and the TP links the layout is placed on."""
+    s = ctx.strategy
+    layer = dataclasses.replace(
+        s,
+        layout=dataclasses.replace(s.layout, dp=1, pp=1),
+        zero=0,
+        vpp_layers=0,
+        first_stage_layers=0,
+        last_stage_layers=0,
+        recompute_layers=0,
+    )
+    return layer, ctx.links.tp, ctx.links.tp_p2p
+
+
 class Evaluator:
     """Estimates strategies of one (model, cluster, train) with shared caches: GEMM seconds by
-    shape (one :class:`Speed`) and block costs by (t, mode, SP, micro-batch, recompute, TP
-    links). :func:`estimate` is one call of it; the search keeps one for all candidates."""
+    shape (one :class:`Speed`) and block costs by :func:`block_key`. :func:`estimate` is one
+    call of it; the search keeps one for all candidates."""
 
     def __init__(
         self,
@@ -750,20 +768,8 @@ class Evaluator:
         )
 
     def _block(self, ctx: _Context) -> BlockCost:
-        s = ctx.strategy
-        key = (
-            ctx.t,
-            ctx.mode,
-            ctx.sharded,
-            s.micro_batch,
-            s.recompute,
-            ctx.links.tp,
-            ctx.links.tp_p2p,
-            ctx.fused_mlp,
-            ctx.two_pass_mlp,
-            ctx.fused_glu,
-            ctx.interleave,
-        )
+        """The block cost, cached per :func:`block_key`."""
+        key = block_key(ctx)
         cost = self._blocks.get(key)
         if cost is None:
             cost = self._blocks[key] = block_cost(ctx)
