@@ -2,7 +2,8 @@
 
 fp32 results against a float64 reference of the same function: output, input gradient and
 weight gradient (returned, or accumulated into an fp32 ``main_grad`` as Megatron's gradient
-accumulation fusion does). Tolerance: max |fp32 - fp64| <= 1e-5 * max |fp64|: the longest
+accumulation fusion does), for one use and for two uses of a weight summed in one tensor (an
+interleaved layer's two pieces). Tolerance: max |fp32 - fp64| <= 1e-5 * max |fp64|: the longest
 reduction is 5 x 3 = 15 tokens (the weight gradient) or 16 features, an fp32 rounding of about
 sqrt(K) * 6e-8 <= 3e-7 relative, so 1e-5 is far above rounding and far below a wrong
 operand or transpose (O(1)).
@@ -10,11 +11,19 @@ operand or transpose (O(1)).
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from ds_stpar.layers.local import activation_linear, local_linear
+from ds_stpar.layers.activation import ClosedFormActivation
+from ds_stpar.layers.local import LocalCompute, activation_linear, local_linear
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import memtrace  # noqa: E402
 
 RTOL = 1e-5
 
@@ -34,20 +43,33 @@ def _swiglu(a: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+CLOSED_FORM_SWIGLU = ClosedFormActivation(F.silu, gated=True)
+
+
+@pytest.mark.parametrize("uses", [1, 2])
 @pytest.mark.parametrize("fusion", [False, True])
-@pytest.mark.parametrize("kind", ["linear", "activation"])
-def test_local_gemms_match_float64(kind: str, fusion: bool) -> None:
+@pytest.mark.parametrize("kind", ["linear", "activation", "closed-form activation"])
+def test_local_gemms_match_float64(kind: str, fusion: bool, uses: int) -> None:
+    # ``uses`` pieces of the batch through one weight, concatenated as an interleaved layer does
     features = 16 if kind == "linear" else 12
-    x64 = _rand(1, 5, 3, features).requires_grad_()
+    x64 = _rand(1, 5, 2 * uses, features).requires_grad_()
     w64 = _rand(2, 8, features if kind == "linear" else features // 2).requires_grad_()
     x = x64.detach().float().requires_grad_()
     weight = torch.nn.Parameter(w64.detach().float())
     main_grad = torch.full(weight.shape, 0.5) if fusion else None
-    if kind == "linear":
-        y, y_ref = local_linear(x, weight, main_grad), F.linear(x64, w64)
-    else:
-        y = activation_linear(x, weight, _swiglu, main_grad)
-        y_ref = F.linear(_swiglu(x64), w64)
+    handed_in = []  # each gradient autograd hands the weight (a use may hand in None)
+    weight.register_hook(lambda g: handed_in.append(g) if g is not None else None)
+    call = LocalCompute()
+    act = CLOSED_FORM_SWIGLU if kind == "closed-form activation" else _swiglu
+    pieces = []
+    for piece in x.chunk(uses, dim=1):
+        grads = call.weight_grad(weight, main_grad)
+        if kind == "linear":
+            pieces.append(local_linear(piece, weight, grads))
+        else:
+            pieces.append(activation_linear(piece + 0, weight, act, grads))
+    y = torch.cat(pieces, dim=1)
+    y_ref = F.linear(x64 if kind == "linear" else _swiglu(x64), w64)
     _close(y, y_ref.detach(), f"{kind}: output")
     grad = _rand(3, *y_ref.shape)
     y.backward(grad.float())
@@ -55,6 +77,62 @@ def test_local_gemms_match_float64(kind: str, fusion: bool) -> None:
     _close(x.grad, x64.grad, f"{kind}: input grad")
     if fusion:
         _close(main_grad - 0.5, w64.grad, f"{kind}: main_grad")
-        assert weight.grad is None, kind
+        assert weight.grad is None and not handed_in, kind
     else:
         _close(weight.grad, w64.grad, f"{kind}: weight grad")
+        # one tensor summed over the uses
+        assert len(handed_in) == 1, (kind, len(handed_in))
+
+
+@pytest.mark.parametrize("kind", ["linear", "closed-form activation"])
+def test_two_uses_hold_one_weight_gradient(kind: str) -> None:
+    # The backward of two pieces through a weight of 128 x 128 fp32 (64 KiB) with 2 tokens
+    # each (1-2 KiB of activations): a dW per piece would be summed by autograd only after the
+    # second exists (2 weight blocks alive); the shared accumulator holds one. The CPU
+    # profiler's count is exact to the byte, so the bound 1.5 blocks leaves room for the
+    # activations' gradients only.
+    features = 256 if kind != "linear" else 128
+    x = torch.randn(2, 2, features, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(128, 128))
+    call = LocalCompute()
+    pieces = []
+    for piece in x.chunk(2, dim=1):
+        grads = call.weight_grad(weight, None)
+        if kind == "linear":
+            pieces.append(local_linear(piece, weight, grads))
+        else:
+            pieces.append(activation_linear(piece + 0, weight, CLOSED_FORM_SWIGLU, grads))
+    y = torch.cat(pieces, dim=1)
+    grad = torch.randn_like(y)
+    cpu = torch.profiler.ProfilerActivity.CPU
+    with torch.profiler.profile(activities=[cpu], profile_memory=True) as prof:
+        y.backward(grad)
+    block = weight.numel() * weight.element_size()
+    peak = memtrace.cpu_peak_above_start(prof)
+    assert block <= peak < 1.5 * block, (kind, peak / block)
+
+
+def test_shared_weight_grad_sums_afresh_on_a_second_backward() -> None:
+    # retain_graph: the second backward hands in the same sum again (not twice it)
+    x = _rand(1, 4, 2, 6).float()
+    weight = torch.nn.Parameter(_rand(2, 3, 6).float())
+    call = LocalCompute()
+    y = torch.cat(
+        [local_linear(p, weight, call.weight_grad(weight, None)) for p in x.chunk(2, 1)], 1
+    )
+    y.sum().backward(retain_graph=True)
+    first = weight.grad.clone()
+    y.sum().backward()
+    _close(weight.grad, 2 * first.double(), "two backwards")
+
+
+def test_closed_form_refuses_a_second_backward() -> None:
+    # dA is written over the saved A: autograd's version check refuses to reuse it
+    a = _rand(1, 4, 2, 12).float().requires_grad_()
+    weight = torch.nn.Parameter(_rand(2, 3, 6).float())
+    y = activation_linear(
+        a + 0, weight, CLOSED_FORM_SWIGLU, LocalCompute().weight_grad(weight, None)
+    )
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()

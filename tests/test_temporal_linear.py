@@ -29,6 +29,7 @@ from ds_stpar.config import Layout
 from ds_stpar.errors import ConfigError
 from ds_stpar.layers import TemporalColumnParallelLinear, TemporalRowParallelLinear
 from ds_stpar.layers.activation import ClosedFormActivation
+from ds_stpar.layers.local import LocalCompute
 from ds_stpar.layers.ring_mlp import ring_mlp, ring_two_pass_mlp
 from ds_stpar.parallel import GroupCache
 from tests.distributed import run_workers
@@ -452,7 +453,7 @@ def check_errors(group) -> None:
     with pytest.raises(ConfigError, match="ColumnParallelLinear"):
         _column(group, "megatron", 5)
     biased = _row(group, "ring", 5)  # adds its bias itself (skip_bias_add=False)
-    biased.local_compute = True  # a partial sum: the bias would be added on every rank
+    biased.local_compute = LocalCompute()  # a partial sum: the bias would be added on every rank
     with pytest.raises(ConfigError, match="skip_bias_add=True"):
         biased(torch.zeros(S, B, FFN // size))
     layer = _column(group, "ring", 5, fusion=True)

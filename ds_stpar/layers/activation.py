@@ -1,7 +1,8 @@
 """The MLP activation as the ring passes recompute it in their backward.
 
 The ring MLPs (``ring_mlp``) and :func:`~ds_stpar.layers.local.activation_linear` save fc1's
-output A and recompute act(A) in the backward, one chunk at a time. Two ways:
+output A and recompute act(A) in the backward, one chunk at a time
+(:func:`activation_backward`). Two ways:
 
 - any callable: :func:`recompute_activation` builds a small graph on the chunk and asks
   autograd for dA (a nested ``torch.autograd.grad``, which costs the host tens of
@@ -26,6 +27,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from ds_stpar.layers.wgrad import WeightGrad
 
 Activation = Callable[[Tensor], Tensor]
 
@@ -83,3 +86,23 @@ def recompute_activation(act: Activation, a: Tensor, grad_h: Tensor) -> tuple[Te
         h = act(a)
     (grad_a,) = torch.autograd.grad(h, a, grad_h)
     return h.detach(), grad_a
+
+
+def activation_backward(
+    act: Activation, a: Tensor, dy: Tensor, w2: Tensor, wgrad2: WeightGrad | None
+) -> Tensor:
+    """dA for rows ``a`` ``[T, F]`` of fc1's saved output, given fc2's output gradient ``dy``
+    ``[T, N]`` for them and fc2's weight ``w2`` ``[N, F']``: dW2 += dy^T act(a) (when
+    ``wgrad2``), dA = act'(a) (dy W2). With a :class:`ClosedFormActivation` act(a) is freed
+    before dy W2 is made and dA is written over ``a`` (returned: the caller must not need A's
+    rows again; autograd's version check then refuses a second backward through a graph that
+    saved ``a``); otherwise act(a) and dA come from a small graph
+    (:func:`recompute_activation`) and dA is a fresh tensor."""
+    if isinstance(act, ClosedFormActivation):
+        if wgrad2 is not None:
+            wgrad2.add(dy, act(a))
+        return act.grad(a, dy @ w2, out=a)
+    h, da = recompute_activation(act, a, dy @ w2)
+    if wgrad2 is not None:
+        wgrad2.add(dy, h)
+    return da

@@ -77,6 +77,7 @@ from ds_stpar.layers.async_comm import (
     reduce_scatter_start,
 )
 from ds_stpar.layers.linear import TemporalColumnParallelLinear, TemporalLinear
+from ds_stpar.layers.local import LocalCompute
 
 ATTENTION_KWARGS = (
     "rotary_pos_emb",
@@ -89,15 +90,17 @@ ATTENTION_KWARGS = (
 
 @contextmanager
 def local_compute(*modules: torch.nn.Module):
-    """Every temporal linear inside ``modules`` runs only its local GEMM while the block runs."""
+    """Every temporal linear inside ``modules`` runs only its local GEMM while the layer runs,
+    each weight's gradient summed over its uses in one tensor (one :class:`LocalCompute`)."""
     linears = [m for module in modules for m in module.modules() if isinstance(m, TemporalLinear)]
+    call = LocalCompute()
     for linear in linears:
-        linear.local_compute = True
+        linear.local_compute = call
     try:
         yield
     finally:
         for linear in linears:
-            linear.local_compute = False
+            linear.local_compute = None
 
 
 class InterleavedTransformerLayer(TransformerLayer):
@@ -149,6 +152,15 @@ class InterleavedTransformerLayer(TransformerLayer):
         group = self._tp_group()
         masks = _split_mask(kwargs.pop("attention_mask", None), hidden_states.shape[1], count)
         extra = {name: kwargs[name] for name in ATTENTION_KWARGS if kwargs.get(name) is not None}
+        with local_compute(self.self_attention, self.mlp):
+            output = self._pieces(hidden_states, group, count, masks, extra)
+        output = make_viewless_tensor(
+            inp=output, requires_grad=output.requires_grad, keep_graph=True
+        )
+        return output, None
+
+    def _pieces(self, hidden_states: Tensor, group, count: int, masks: list, extra: dict):
+        """The interleaved schedule of the module docstring over ``count`` pieces."""
         gathers = [gather_start(x, group) for x in hidden_states.chunk(count, dim=1)]
         sums, residuals = [], []
         for gather, mask in zip(gathers, masks, strict=True):
@@ -174,22 +186,17 @@ class InterleavedTransformerLayer(TransformerLayer):
                         (reduce_scatter_finish(token, transfer), bias), middle, self.hidden_dropout
                     )
                 )
-        output = torch.cat(outputs, dim=1)
-        output = make_viewless_tensor(
-            inp=output, requires_grad=output.requires_grad, keep_graph=True
-        )
-        return output, None
+        return torch.cat(outputs, dim=1)
 
 
 def _after_norm(norm: torch.nn.Module, block: torch.nn.Module, x: Tensor, **kwargs):
-    """``block(norm(x), **kwargs)`` with the block's linears local, the norm's output freed
+    """``block(norm(x), **kwargs)`` (the block's linears local), the norm's output freed
     once the block has run and recomputed from ``x`` when the backward reaches the block's
     output (Megatron's ``CheckpointWithoutOutput``; ``fp8=None``: no fp8, ``False`` reads
     as on). Returns the block's ``(output, bias)``."""
     checkpoint = CheckpointWithoutOutput(fp8=None)
     normed = checkpoint.checkpoint(norm, x)
-    with local_compute(block):
-        out, bias = block(normed, **kwargs)
+    out, bias = block(normed, **kwargs)
     checkpoint.discard_output_and_register_recompute(out)
     return out, bias
 

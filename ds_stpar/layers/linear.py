@@ -39,7 +39,7 @@ from torch.nn import Parameter
 from ds_stpar.errors import ConfigError
 from ds_stpar.layers.cannon import cannon_column_linear, cannon_row_linear, cannon_weight_offsets
 from ds_stpar.layers.comm import Group
-from ds_stpar.layers.local import local_linear
+from ds_stpar.layers.local import LocalCompute, local_linear
 from ds_stpar.layers.ring import ring_column_linear, ring_row_linear
 from ds_stpar.layers.wgrad import fused_main_grad
 
@@ -95,15 +95,16 @@ def _check_divisible(what: str, value: int, by: int, why: str) -> None:
 class TemporalLinear(torch.nn.Module):
     """What both layers share: group and mode checks, weight creation, checkpoint sharding.
 
-    ``local_compute`` (set by :func:`ds_stpar.layers.interleave.local_compute` for the length
-    of one call): run only this rank's GEMM (``local.py``) on an input the caller gathered
-    (column: [s, b, K] -> [s, b, N/P]) or return this rank's term of the output for the
-    caller to reduce (row: [s, b, K/P] -> [s, b, N]).
+    ``local_compute`` (a :class:`~ds_stpar.layers.local.LocalCompute`, set by
+    :func:`ds_stpar.layers.interleave.local_compute` for the length of one call): run only
+    this rank's GEMM (``local.py``) on an input the caller gathered (column: [s, b, K] ->
+    [s, b, N/P]) or return this rank's term of the output for the caller to reduce (row:
+    [s, b, K/P] -> [s, b, N]), the weight gradient summed over the call's uses.
     """
 
     partition_dim: int
     megatron_class: str
-    local_compute: bool = False
+    local_compute: LocalCompute | None = None
 
     def _setup(
         self,
@@ -347,8 +348,9 @@ class TemporalColumnParallelLinear(TemporalLinear):
             )
         self._check_input(input_, self.input_size)
         main_grad = fused_main_grad(weight, self.gradient_accumulation_fusion)
-        if self.local_compute:
-            return self._with_bias(local_linear(input_, weight, main_grad))
+        if self.local_compute is not None:
+            grads = self.local_compute.weight_grad(weight, main_grad)
+            return self._with_bias(local_linear(input_, weight, grads))
         output = self._algorithm()(input_, weight, self.tp_group, main_grad)
         return self._with_bias(output)
 
@@ -414,13 +416,14 @@ class TemporalRowParallelLinear(TemporalLinear):
         """[s, b, K/P] -> ([s/P, b, N], bias if skip_bias_add else None)."""
         self._check_input(input_, self.input_size_per_partition)
         main_grad = fused_main_grad(self.weight, self.gradient_accumulation_fusion)
-        if self.local_compute:
+        if self.local_compute is not None:
             if self.bias is not None and not self.skip_bias_add:
                 raise ConfigError(
                     "local_compute returns a partial sum: the bias must be added after the "
                     "reduction (skip_bias_add=True)"
                 )
-            return local_linear(input_, self.weight, main_grad), self.bias
+            grads = self.local_compute.weight_grad(self.weight, main_grad)
+            return local_linear(input_, self.weight, grads), self.bias
         size = self.tp_group.size()
         if input_.shape[0] % size:
             raise ConfigError(

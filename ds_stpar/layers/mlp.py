@@ -18,8 +18,8 @@ attributes and checkpoint keys, so a model moves between the specs by its dist c
   tanh GELU), fp8 activation storage.
 - **inside an interleaved layer** (its linears in ``local_compute`` mode, the transfers
   outside): in the same cases, fc1's GEMM then act(A) W2^T saving A only
-  (:func:`~ds_stpar.layers.local.activation_linear`): Megatron's forward would keep act(A) as
-  well.
+  (:func:`~ds_stpar.layers.local.activation_linear`; Megatron's forward would keep act(A) as
+  well), dA written over A with a closed form, as the ring passes do.
 - **Cannon, gated fc1**: fc1's weight is saved with
   :func:`~ds_stpar.layers.cannon_mlp.cannon_glu_factory` instead of Megatron's row-split GLU
   factory.
@@ -93,10 +93,11 @@ class StparMLP(MLP):
             return super().forward(hidden_states, per_token_scale, **kwargs)
         fc1, fc2 = self.linear_fc1, self.linear_fc2
         main_grad2 = fused_main_grad(fc2.weight, fc2.gradient_accumulation_fusion)
-        if fc1.local_compute and fc2.local_compute:
+        if fc1.local_compute is not None and fc2.local_compute is not None:
             a, bias = fc1(hidden_states)
             a = a + bias if bias is not None else a
-            return activation_linear(a, fc2.weight, self.ring_activation, main_grad2), fc2.bias
+            grads2 = fc2.local_compute.weight_grad(fc2.weight, main_grad2)
+            return activation_linear(a, fc2.weight, self.ring_activation, grads2), fc2.bias
         fc1._check_input(hidden_states, fc1.input_size)
         output = (ring_mlp if self.fused_ring else ring_two_pass_mlp)(
             hidden_states,

@@ -30,7 +30,7 @@ elementwise pass. Against Megatron TP+SP, which saves X's own chunk, A and act(A
 (``M K/P + M F/P + M F'/P``), this holds ``M K + M F/P``: at P = 2 with F = F' = 4K, 3 MK
 instead of 4.5 MK. Every piece's backward runs once, so with a :class:`ClosedFormActivation`
 it writes dA over the piece's rows of A, act(A) freed before dY W2 is made
-(:func:`activation_backward`); a second backward through the same graph is then refused by
+(:func:`~ds_stpar.layers.activation.activation_backward`); a second backward through the same graph is then refused by
 autograd's in-place check. Communication volume equals Megatron's all-gather / reduce-scatter minus
 the backward's re-gather of X: four streams of (P-1)/P of the activation instead of five.
 
@@ -53,7 +53,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ds_stpar.layers.activation import Activation, ClosedFormActivation, recompute_activation
+from ds_stpar.layers.activation import Activation, activation_backward
 from ds_stpar.layers.comm import Group, Message, PendingP2P, ring_pass, start_p2p
 from ds_stpar.layers.ring import column_backward, column_forward, row_forward
 from ds_stpar.layers.wgrad import WeightGrad
@@ -133,24 +133,6 @@ def _accumulate_around_ring(
     for (lo, hi), pending in zip(bounds, incoming, strict=True):
         own[lo:hi].add_(pending.wait()[0])
     return own
-
-
-def activation_backward(
-    act: Activation, a: Tensor, dy: Tensor, w2: Tensor, wgrad2: WeightGrad | None
-) -> Tensor:
-    """dA for rows ``a`` of fc1's saved output, given fc2's output gradient ``dy`` for them:
-    dW2 += dy^T act(a) (when ``wgrad2``), dA = act'(a) (dy W2). With a
-    :class:`ClosedFormActivation` act(a) is freed before dy W2 is made and dA is written over
-    ``a`` (returned: the caller must not need A's rows again); otherwise act(a) and dA come
-    from a small graph (:func:`recompute_activation`) and dA is a fresh tensor."""
-    if isinstance(act, ClosedFormActivation):
-        if wgrad2 is not None:
-            wgrad2.add(dy, act(a))
-        return act.grad(a, dy @ w2, out=a)
-    h, da = recompute_activation(act, a, dy @ w2)
-    if wgrad2 is not None:
-        wgrad2.add(dy, h)
-    return da
 
 
 class _RingMLP(torch.autograd.Function):
