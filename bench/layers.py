@@ -35,8 +35,9 @@ Variants (named for any P; before P was general they were ``megatron-tp2-sp`` an
   forward and fc1's dX; fc1 keeps the gathered input for its dW (as the compiled async-TP
   does). "n/a" when the ops are missing or fail, and for the layer (no layer spec for it).
 - ``ring``: ds_stpar's ring as its Megatron spec runs it: the MLP block as one fused ring pass
-  (``ds_stpar.layers.ring_mlp``, what ``StparMLP`` runs), the layer's QKV / projection as
-  TemporalColumnParallelLinear / TemporalRowParallelLinear with tp_mode="ring".
+  (``ds_stpar.layers.ring_mlp``, what ``StparMLP`` runs, with the closed-form gelu it passes;
+  before the twentieth session the block passed a plain ``F.gelu``), the layer's QKV /
+  projection as TemporalColumnParallelLinear / TemporalRowParallelLinear with tp_mode="ring".
 - ``ring-linear``: fc1's and fc2's ring passes one after the other, in one node that saves
   fc1's output A only and recomputes the activation (``ring_two_pass_mlp``), as ``StparMLP``
   runs them: the layer from the spec with ``fused_ring_mlp=False``.
@@ -449,6 +450,14 @@ class MLPBlock(torch.nn.Module):
         return out
 
 
+def _gelu_as_stpar_mlp_passes_it():
+    """The activation ``StparMLP`` hands the ring MLPs for Megatron's ``F.gelu``: its closed
+    form, whose backward writes dA over A (``ds_stpar.layers.activation``)."""
+    from ds_stpar.layers.activation import ClosedFormActivation
+
+    return ClosedFormActivation(F.gelu)
+
+
 class RingMLPBlock(MLPBlock):
     """The same block over fc1's and fc2's ring weights as one fused ring pass (ring_mlp);
     ``piecing``: its pieces / min_piece_flop (--ring-pieces / --ring-min-piece-flop)."""
@@ -461,7 +470,8 @@ class RingMLPBlock(MLPBlock):
         from ds_stpar.layers.ring_mlp import ring_mlp
 
         fc1, fc2 = self.fc1, self.fc2
-        return ring_mlp(x, fc1.weight, None, fc2.weight, F.gelu, fc1.tp_group, **self.piecing)
+        gelu = _gelu_as_stpar_mlp_passes_it()
+        return ring_mlp(x, fc1.weight, None, fc2.weight, gelu, fc1.tp_group, **self.piecing)
 
 
 class RingTwoPassMLPBlock(MLPBlock):
@@ -472,7 +482,8 @@ class RingTwoPassMLPBlock(MLPBlock):
         from ds_stpar.layers.ring_mlp import ring_two_pass_mlp
 
         fc1, fc2 = self.fc1, self.fc2
-        return ring_two_pass_mlp(x, fc1.weight, None, fc2.weight, F.gelu, fc1.tp_group)
+        gelu = _gelu_as_stpar_mlp_passes_it()
+        return ring_two_pass_mlp(x, fc1.weight, None, fc2.weight, gelu, fc1.tp_group)
 
 
 class PlainLinear(torch.nn.Module):
