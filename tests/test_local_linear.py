@@ -47,16 +47,20 @@ CLOSED_FORM_SWIGLU = ClosedFormActivation(F.silu, gated=True)
 
 
 @pytest.mark.parametrize("uses", [1, 2])
-@pytest.mark.parametrize("fusion", [False, True])
+@pytest.mark.parametrize("fusion", ["off", "main_grad", "main_grad, DDP flag"])
 @pytest.mark.parametrize("kind", ["linear", "activation", "closed-form activation"])
-def test_local_gemms_match_float64(kind: str, fusion: bool, uses: int) -> None:
-    # ``uses`` pieces of the batch through one weight, concatenated as an interleaved layer does
+def test_local_gemms_match_float64(kind: str, fusion: str, uses: int) -> None:
+    # ``uses`` pieces of the batch through one weight, concatenated as an interleaved layer
+    # does; with Megatron's DDP flag (grad_added_to_main_grad) the backward hands autograd a
+    # dummy gradient, one per weight however many uses
     features = 16 if kind == "linear" else 12
     x64 = _rand(1, 5, 2 * uses, features).requires_grad_()
     w64 = _rand(2, 8, features if kind == "linear" else features // 2).requires_grad_()
     x = x64.detach().float().requires_grad_()
     weight = torch.nn.Parameter(w64.detach().float())
-    main_grad = torch.full(weight.shape, 0.5) if fusion else None
+    main_grad = torch.full(weight.shape, 0.5) if fusion != "off" else None
+    if fusion == "main_grad, DDP flag":
+        weight.grad_added_to_main_grad = False
     handed_in = []  # each gradient autograd hands the weight (a use may hand in None)
     weight.register_hook(lambda g: handed_in.append(g) if g is not None else None)
     call = LocalCompute()
@@ -75,29 +79,37 @@ def test_local_gemms_match_float64(kind: str, fusion: bool, uses: int) -> None:
     y.backward(grad.float())
     y_ref.backward(grad)
     _close(x.grad, x64.grad, f"{kind}: input grad")
-    if fusion:
+    if fusion == "main_grad":
         _close(main_grad - 0.5, w64.grad, f"{kind}: main_grad")
         assert weight.grad is None and not handed_in, kind
+    elif fusion == "main_grad, DDP flag":
+        _close(main_grad - 0.5, w64.grad, f"{kind}: main_grad")
+        assert weight.grad_added_to_main_grad and len(handed_in) == 1, (kind, len(handed_in))
     else:
         _close(weight.grad, w64.grad, f"{kind}: weight grad")
         # one tensor summed over the uses
         assert len(handed_in) == 1, (kind, len(handed_in))
 
 
+@pytest.mark.parametrize("ddp", [False, True])
 @pytest.mark.parametrize("kind", ["linear", "closed-form activation"])
-def test_two_uses_hold_one_weight_gradient(kind: str) -> None:
+def test_two_uses_hold_one_weight_gradient(kind: str, ddp: bool) -> None:
     # The backward of two pieces through a weight of 128 x 128 fp32 (64 KiB) with 2 tokens
     # each (1-2 KiB of activations): a dW per piece would be summed by autograd only after the
-    # second exists (2 weight blocks alive); the shared accumulator holds one. The CPU
-    # profiler's count is exact to the byte, so the bound 1.5 blocks leaves room for the
-    # activations' gradients only.
+    # second exists (2 weight blocks alive); the shared accumulator holds one. Under Megatron's
+    # DDP (main_grad, grad_added_to_main_grad) the same holds for the dummy gradients handed
+    # to autograd. The CPU profiler's count is exact to the byte, so the bound 1.5 blocks
+    # leaves room for the activations' gradients only.
     features = 256 if kind != "linear" else 128
     x = torch.randn(2, 2, features, requires_grad=True)
     weight = torch.nn.Parameter(torch.randn(128, 128))
+    main_grad = torch.zeros(128, 128) if ddp else None
+    if ddp:
+        weight.grad_added_to_main_grad = False
     call = LocalCompute()
     pieces = []
     for piece in x.chunk(2, dim=1):
-        grads = call.weight_grad(weight, None)
+        grads = call.weight_grad(weight, main_grad)
         if kind == "linear":
             pieces.append(local_linear(piece, weight, grads))
         else:
@@ -109,7 +121,7 @@ def test_two_uses_hold_one_weight_gradient(kind: str) -> None:
         y.backward(grad)
     block = weight.numel() * weight.element_size()
     peak = memtrace.cpu_peak_above_start(prof)
-    assert block <= peak < 1.5 * block, (kind, peak / block)
+    assert block <= peak < 1.5 * block, (kind, ddp, peak / block)
 
 
 def test_shared_weight_grad_sums_afresh_on_a_second_backward() -> None:

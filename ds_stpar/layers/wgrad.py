@@ -77,13 +77,14 @@ class WeightGrad:
 
 class SharedWeightGrad(WeightGrad):
     """One weight's gradient summed over every use of it in one forward, each use's backward
-    adding into the same tensor; the last use's backward returns the sum, the others ``None``.
+    adding into the same tensor (or ``main_grad``); the last use's backward returns what
+    :class:`WeightGrad` would, the others ``None``.
 
     Why: an interleaved layer runs each linear once per piece of the micro-batch. With a
     gradient per use, autograd holds a piece's dW beside the sum it adds it to: one
     weight-sized block more at the backward's peak (a quarter GiB per MLP weight at h 8192,
-    TP2). With ``main_grad`` every use adds into it already, and :meth:`result` is
-    :class:`WeightGrad`'s.
+    TP2). With ``main_grad`` and Megatron's DDP (``grad_added_to_main_grad``) each use would
+    hand in a dummy of the weight's size instead; one dummy is enough.
 
     :meth:`use` counts a forward application; after the last use's backward the count starts
     over, so a second backward through the same graph (``retain_graph=True``) sums afresh.
@@ -104,10 +105,10 @@ class SharedWeightGrad(WeightGrad):
         return self
 
     def result(self, input_dtype: torch.dtype) -> Tensor | None:
-        if self.main_grad is not None:
-            return super().result(input_dtype)
         self._pending -= 1
         if self._pending > 0:
             return None
-        grad, self.grad, self._pending = self.grad, None, self._uses
-        return grad
+        self._pending = self._uses
+        handed = super().result(input_dtype)
+        self.grad = None
+        return handed
