@@ -4,13 +4,14 @@ fp32 results against a float64 reference of the same function: output, input gra
 weight gradient (returned, or accumulated into an fp32 ``main_grad`` as Megatron's gradient
 accumulation fusion does), for one use and for two uses of a weight summed in one tensor (an
 interleaved layer's two pieces). Tolerance: max |fp32 - fp64| <= 1e-5 * max |fp64|: the longest
-reduction is 5 x 3 = 15 tokens (the weight gradient) or 16 features, an fp32 rounding of about
+reduction is 5 x 4 = 20 tokens (the weight gradient) or 16 features, an fp32 rounding of about
 sqrt(K) * 6e-8 <= 3e-7 relative, so 1e-5 is far above rounding and far below a wrong
 operand or transpose (O(1)).
 """
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -56,8 +57,8 @@ def _through_pieces(x, weight, act, main_grad, uses: int) -> torch.Tensor:
         grads = call.weight_grad(weight, main_grad)
         if act is None:
             pieces.append(local_linear(piece, weight, grads))
-        else:  # + 0: a fresh A, as fc1's output is, for the closed form to write dA over
-            pieces.append(activation_linear(piece + 0, weight, act, grads))
+        else:  # + 0: a fresh A, as fc1's output is, handed over for dA to be written over it
+            pieces.append(activation_linear(piece + 0, weight, act, grads, consume_a=True))
     return torch.cat(pieces, dim=1)
 
 
@@ -134,13 +135,36 @@ def test_shared_weight_grad_sums_afresh_on_a_second_backward() -> None:
     _close(weight.grad, 2 * first.double(), "two backwards")
 
 
-def test_closed_form_refuses_a_second_backward() -> None:
-    # dA is written over the saved A: autograd's version check refuses to reuse it
-    a = _rand(1, 4, 2, 12).float().requires_grad_()
+def test_closed_form_writes_over_a_only_when_handed_over() -> None:
+    # consume_a: dA is written over the saved A, and autograd's version check refuses a second
+    # backward; without it A is left as it was (a leaf's A here: its .grad would share it)
     weight = torch.nn.Parameter(_rand(2, 3, 6).float())
-    y = activation_linear(
-        a + 0, weight, CLOSED_FORM_SWIGLU, LocalCompute().weight_grad(weight, None)
-    )
+    a = _rand(1, 4, 2, 12).float().requires_grad_()
+    kept = a.detach().clone()
+    y = activation_linear(a, weight, CLOSED_FORM_SWIGLU, LocalCompute().weight_grad(weight, None))
+    y.sum().backward(retain_graph=True)
+    assert torch.equal(a.detach(), kept)
+    first = a.grad.clone()
+    y.sum().backward()
+    _close(a.grad, 2 * first.double(), "a second backward without consume_a")
+    grads = LocalCompute().weight_grad(weight, None)
+    y = activation_linear(a + 0, weight, CLOSED_FORM_SWIGLU, grads, consume_a=True)
     y.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+def test_a_use_whose_backward_never_ran_is_reported() -> None:
+    # two uses, only the first reaches the loss: the sum is never handed over, and the
+    # accumulator says so when it is freed
+    weight = torch.nn.Parameter(_rand(2, 3, 6).float())
+    call = LocalCompute()
+    first, _ = (
+        local_linear(p, weight, call.weight_grad(weight, None))
+        for p in _rand(1, 4, 2, 6).float().chunk(2, 1)
+    )
+    first.sum().backward()
+    assert weight.grad is None
+    with pytest.warns(RuntimeWarning, match="1 of 2 uses"):
+        del call, first, _
+        gc.collect()

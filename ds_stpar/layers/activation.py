@@ -89,19 +89,24 @@ def recompute_activation(act: Activation, a: Tensor, grad_h: Tensor) -> tuple[Te
 
 
 def activation_backward(
-    act: Activation, a: Tensor, dy: Tensor, w2: Tensor, wgrad2: WeightGrad | None
+    act: Activation,
+    a: Tensor,
+    dy: Tensor,
+    w2: Tensor,
+    wgrad2: WeightGrad | None,
+    overwrite: bool = True,
 ) -> Tensor:
     """dA for rows ``a`` ``[T, F]`` of fc1's saved output, given fc2's output gradient ``dy``
     ``[T, N]`` for them and fc2's weight ``w2`` ``[N, F']``: dW2 += dy^T act(a) (when
     ``wgrad2``), dA = act'(a) (dy W2). With a :class:`ClosedFormActivation` act(a) is freed
-    before dy W2 is made and dA is written over ``a`` (returned: the caller must not need A's
-    rows again; autograd's version check then refuses a second backward through a graph that
-    saved ``a``); otherwise act(a) and dA come from a small graph
-    (:func:`recompute_activation`) and dA is a fresh tensor."""
+    before dy W2 is made, and with ``overwrite`` dA is written over ``a`` (returned: the
+    caller must not need A's rows again; autograd's version check then refuses a second
+    backward through a graph that saved ``a``); otherwise act(a) and dA come from a small
+    graph (:func:`recompute_activation`) and dA is a fresh tensor."""
     if isinstance(act, ClosedFormActivation):
         if wgrad2 is not None:
             wgrad2.add(dy, act(a))
-        return act.grad(a, dy @ w2, out=a)
+        return act.grad(a, dy @ w2, out=a if overwrite else None)
     h, da = recompute_activation(act, a, dy @ w2)
     if wgrad2 is not None:
         wgrad2.add(dy, h)

@@ -17,7 +17,8 @@ accumulation fusion.
 saving ``a`` and recomputing act(a) in the backward (one elementwise pass), as the fused ring
 MLP does: a Megatron MLP would keep both fc1's output and act(fc1's output). With a
 :class:`~ds_stpar.layers.activation.ClosedFormActivation` the backward frees act(a) before it
-makes fc2's input gradient and writes dA over ``a``
+makes fc2's input gradient and, when the caller hands ``a`` over (``consume_a``, as
+``StparMLP`` does with fc1's output), writes dA over it
 (:func:`~ds_stpar.layers.activation.activation_backward`).
 """
 
@@ -38,10 +39,13 @@ class LocalCompute:
         self._grads: dict[int, SharedWeightGrad] = {}
 
     def weight_grad(self, weight: Tensor, main_grad: Tensor | None) -> SharedWeightGrad:
-        """``weight``'s accumulator for this call (``main_grad``: Megatron's fusion target)."""
+        """``weight``'s accumulator for this call (``main_grad``: Megatron's fusion target,
+        the same at every use)."""
         grads = self._grads.get(id(weight))
         if grads is None:
             grads = self._grads[id(weight)] = SharedWeightGrad(weight, main_grad)
+        elif grads.main_grad is not main_grad:
+            raise ValueError("one weight used with two different main_grad tensors in one call")
         return grads
 
 
@@ -76,12 +80,13 @@ class _LocalLinear(torch.autograd.Function):
 
 
 class _ActivationLinear(torch.autograd.Function):
-    """y = act(a) W^T saving ``a`` only; act(a) is recomputed in the backward."""
+    """y = act(a) W^T saving ``a`` only; act(a) is recomputed in the backward (dA written over
+    ``a`` when ``consume_a``)."""
 
     @staticmethod
-    def forward(ctx, a: Tensor, weight: Tensor, act: Activation, grads: SharedWeightGrad):
+    def forward(ctx, a: Tensor, weight: Tensor, act: Activation, grads, consume_a: bool):
         ctx.save_for_backward(a, weight)
-        ctx.act, ctx.grads = act, grads
+        ctx.act, ctx.grads, ctx.consume_a = act, grads, consume_a
         return torch.matmul(act(a), weight.t())
 
     @staticmethod
@@ -89,11 +94,10 @@ class _ActivationLinear(torch.autograd.Function):
         a, weight = ctx.saved_tensors
         need_da, need_dw = ctx.needs_input_grad[:2]
         grads = ctx.grads if need_dw else None
-        da = activation_backward(
-            ctx.act, _tokens(a), _tokens(grad_output.contiguous()), weight, grads
-        )
+        dy = _tokens(grad_output.contiguous())
+        da = activation_backward(ctx.act, _tokens(a), dy, weight, grads, ctx.consume_a)
         dw = grads.result(a.dtype) if grads is not None else None
-        return (da.view(a.shape) if need_da else None), dw, None, None
+        return (da.view(a.shape) if need_da else None), dw, None, None, None
 
 
 def local_linear(x: Tensor, weight: Tensor, grads: SharedWeightGrad) -> Tensor:
@@ -103,8 +107,14 @@ def local_linear(x: Tensor, weight: Tensor, grads: SharedWeightGrad) -> Tensor:
 
 
 def activation_linear(
-    a: Tensor, weight: Tensor, act: Activation, grads: SharedWeightGrad
+    a: Tensor,
+    weight: Tensor,
+    act: Activation,
+    grads: SharedWeightGrad,
+    consume_a: bool = False,
 ) -> Tensor:
     """``act(a) W^T`` for ``a`` ``[..., F]``, ``act``: ``[..., F] -> [..., F']``, ``weight``
-    ``[N, F']``; saves ``a`` only, dW into ``grads`` (module docstring)."""
-    return _ActivationLinear.apply(a, weight, act, _use(weight, grads))
+    ``[N, F']``; saves ``a`` only, dW into ``grads`` (module docstring). ``consume_a``: the
+    caller does not read ``a`` after the forward (fc1's fresh output), so a closed-form
+    backward writes dA over it; the memory of one ``a`` less at the backward's peak."""
+    return _ActivationLinear.apply(a, weight, act, _use(weight, grads), consume_a)

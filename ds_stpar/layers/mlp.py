@@ -97,7 +97,8 @@ class StparMLP(MLP):
             a, bias = fc1(hidden_states)
             a = a + bias if bias is not None else a
             grads2 = fc2.local_compute.weight_grad(fc2.weight, main_grad2)
-            return activation_linear(a, fc2.weight, self.ring_activation, grads2), fc2.bias
+            out = activation_linear(a, fc2.weight, self.ring_activation, grads2, consume_a=True)
+            return out, fc2.bias
         fc1._check_input(hidden_states, fc1.input_size)
         output = (ring_mlp if self.fused_ring else ring_two_pass_mlp)(
             hidden_states,

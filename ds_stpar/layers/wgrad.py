@@ -13,6 +13,8 @@ forward (an interleaved layer's pieces) into one tensor.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 
@@ -32,13 +34,13 @@ def fused_main_grad(weight: Tensor, fuse: bool) -> Tensor | None:
     return main_grad
 
 
-def addmm_into(acc: Tensor, a: Tensor, b: Tensor) -> None:
+def _addmm_into(acc: Tensor, a: Tensor, b: Tensor) -> None:
     """acc += a @ b, accumulated in ``acc``'s dtype (fp32 main_grad for bf16/fp16 inputs).
 
     On CUDA one GEMM adds its fp32 product straight into ``acc`` (``out_dtype``, beta = 1), as
     Megatron's fused weight-gradient kernel does: no product tensor the size of the weight
     (BENCHMARKS.md, twentieth session: 512 MiB less per h 8192 MLP weight at TP2, and
-    0.38-2.9 ms against 0.46-3.2 ms). The CPU has no such kernel: inputs are upcast first."""
+    0.38-3.1 ms against 0.46-3.2 ms). The CPU has no such kernel: inputs are upcast first."""
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
     elif a.is_cuda:
@@ -57,7 +59,7 @@ class WeightGrad:
 
     def add(self, grad_output: Tensor, inputs: Tensor) -> None:
         if self.main_grad is not None:
-            addmm_into(self.main_grad, grad_output.t(), inputs)
+            _addmm_into(self.main_grad, grad_output.t(), inputs)
         elif self.grad is None:
             self.grad = grad_output.t() @ inputs
         else:
@@ -90,7 +92,8 @@ class SharedWeightGrad(WeightGrad):
     over, so a second backward through the same graph (``retain_graph=True``) sums afresh.
     Every use's backward must run in each backward pass, or the sum is never handed over: true
     of an interleaved layer, whose output concatenates its pieces (the concatenation's
-    backward hands each piece its slice of the gradient).
+    backward hands each piece its slice of the gradient). Where some uses' backward ran and
+    others' did not, the accumulator warns when it is freed (the gradient was lost).
     """
 
     def __init__(self, weight: Tensor, main_grad: Tensor | None):
@@ -103,6 +106,17 @@ class SharedWeightGrad(WeightGrad):
         self._uses += 1
         self._pending += 1
         return self
+
+    def __del__(self) -> None:
+        if 0 < self._pending < self._uses:
+            warnings.warn(
+                f"{self._uses - self._pending} of {self._uses} uses of a weight of shape "
+                f"{tuple(self.weight.shape)} ran their backward, the others did not: its "
+                "gradient was never handed to autograd (every piece of an interleaved "
+                "layer's output must reach the loss)",
+                RuntimeWarning,
+                stacklevel=1,
+            )
 
     def result(self, input_dtype: torch.dtype) -> Tensor | None:
         self._pending -= 1
