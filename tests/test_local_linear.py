@@ -154,6 +154,14 @@ def test_closed_form_writes_over_a_only_when_handed_over() -> None:
         y.sum().backward()
 
 
+def test_one_weight_with_two_main_grads_is_refused() -> None:
+    weight = torch.nn.Parameter(torch.zeros(3, 6))
+    call = LocalCompute()
+    call.weight_grad(weight, torch.zeros(3, 6))
+    with pytest.raises(ValueError, match="two different main_grad"):
+        call.weight_grad(weight, torch.zeros(3, 6))
+
+
 def test_a_use_whose_backward_never_ran_is_reported() -> None:
     # two uses, only the first reaches the loss: the sum is never handed over, and the
     # accumulator says so when it is freed

@@ -77,10 +77,8 @@ class ClosedFormActivation:
 
 
 def recompute_activation(act: Activation, a: Tensor, grad_h: Tensor) -> tuple[Tensor, Tensor]:
-    """(act(a), d act(a) / d a applied to ``grad_h``): by the closed form where ``act`` has
-    one, else from a fresh graph on ``a``."""
-    if isinstance(act, ClosedFormActivation):
-        return act(a), act.grad(a, grad_h)
+    """(act(a), d act(a) / d a applied to ``grad_h``) for any callable, from a fresh graph
+    on ``a`` (a :class:`ClosedFormActivation` needs none: :func:`activation_backward`)."""
     with torch.enable_grad():
         a = a.detach().requires_grad_()
         h = act(a)

@@ -31,8 +31,9 @@ elementwise pass. Against Megatron TP+SP, which saves X's own chunk, A and act(A
 instead of 4.5 MK. Every piece's backward runs once, so with a :class:`ClosedFormActivation`
 it writes dA over the piece's rows of A, act(A) freed before dY W2 is made
 (:func:`~ds_stpar.layers.activation.activation_backward`); a second backward through the
-same graph is then refused by autograd's in-place check. Communication volume equals Megatron's all-gather / reduce-scatter minus
-the backward's re-gather of X: four streams of (P-1)/P of the activation instead of five.
+same graph is then refused by autograd's in-place check. Communication volume equals
+Megatron's all-gather / reduce-scatter minus the backward's re-gather of X: four streams of
+(P-1)/P of the activation instead of five.
 
 **Two passes**, :func:`ring_two_pass_mlp`: fc1's column pass, act, fc2's row pass
 (``ring.py``'s passes, each hop beside its own linear's sub-GEMM only), in one autograd node
