@@ -18,6 +18,11 @@ Blocks: ``mlp`` is y = fc2(gelu(fc1(x))), fc1 h -> 4h, fc2 4h -> h, no bias, on 
 ``layer`` is one megatron-core ``TransformerLayer`` from ds_stpar's
 ``get_gpt_layer_stpar_spec(tp_mode)`` (LayerNorm, causal SDPA attention with head dim 128,
 gelu MLP, no bias) on ``T / seq`` sequences of ``seq`` tokens (input [seq, T/seq, h]).
+``--layers N`` (N > 1) makes it a megatron-core ``TransformerBlock`` of N such layers (no final
+norm), as a model's stage runs them: the rows say ``layer xN``, ms and peak are the block's,
+TFLOP/s counts N layers. Interleaved layers then hand their pieces in flight from layer to
+layer (``ds_stpar.layers.interleave``: only the block's first gather and last reduction stay
+exposed); every other variant runs its layers one after the other as alone.
 
 Variants (named for any P; before P was general they were ``megatron-tp2-sp`` and
 ``megatron-tp2``, the names in older JSON, still accepted by --variants), each timed on its own:
@@ -206,6 +211,7 @@ class Case:
     tokens: int
     seq: int
     head_dim: int
+    layers: int = 1  # the layer block: a TransformerBlock of this many layers
 
     @property
     def batch(self) -> int:
@@ -218,11 +224,22 @@ class Case:
     def flops(self) -> float:
         if self.block == "mlp":
             return mlp_flops(self.tokens, self.hidden)
-        return layer_flops(self.tokens, self.hidden, self.seq)
+        return self.layers * layer_flops(self.tokens, self.hidden, self.seq)
+
+    @property
+    def name(self) -> str:
+        """The block as the rows show it: ``layer xN`` for a block of N layers."""
+        return f"layer x{self.layers}" if self.block == "layer" and self.layers > 1 else self.block
 
 
 def make_cases(
-    blocks: list[str], hiddens: list[int], tokens: list[int], seq: int, head_dim: int, tp: int
+    blocks: list[str],
+    hiddens: list[int],
+    tokens: list[int],
+    seq: int,
+    head_dim: int,
+    tp: int,
+    layers: int = 1,
 ) -> list[Case]:
     """Every (block, h, T); raises ValueError naming the fix for a shape TP=``tp`` cannot split
     (Cannon's q x q blocks divide the same dims, q = sqrt(tp))."""
@@ -231,7 +248,7 @@ def make_cases(
         for hidden in hiddens:
             for count in tokens:
                 s = count if block == "mlp" else min(seq, count)
-                case = Case(block, hidden, count, s, head_dim)
+                case = Case(block, hidden, count, s, head_dim, layers if block == "layer" else 1)
                 if count % s:
                     raise ValueError(f"layer: tokens {count} must be a multiple of --seq {s}")
                 if s % tp:
@@ -612,7 +629,7 @@ def _config(case: Case, tp: int, tp_mode: str, sp: bool, parts: int = 1):
 
     model = ModelSpec(
         f"bench-{case.hidden}",
-        1,
+        case.layers if case.block == "layer" else 1,
         case.hidden,
         case.heads // parts,
         vocab_size=1024,
@@ -696,6 +713,7 @@ def build_mlp(variant: str, case: Case, rt: Runtime, async_name: str | None) -> 
 
 def build_layer(variant: str, case: Case, rt: Runtime) -> Built:
     from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_block import TransformerBlock
 
     from ds_stpar.layers.megatron_spec import get_gpt_layer_stpar_spec
 
@@ -709,17 +727,17 @@ def build_layer(variant: str, case: Case, rt: Runtime) -> Built:
         mode, sp, shard = _tp_mode(variant), variant != "megatron", (rt.rank, rt.size)
         cfg = _config(case, rt.size, mode, sp)
         group = rt.tp_group
-    layer = build_module(
-        get_gpt_layer_stpar_spec(
-            mode,
-            group,
-            fused_ring_mlp=variant != "ring-linear",
-            interleave=INTERLEAVED.get(variant, 0),
-        ),
-        config=cfg,
-        layer_number=1,
-        pg_collection=_pg_collection(group),
-    ).to(rt.device)
+    spec = get_gpt_layer_stpar_spec(
+        mode, group, fused_ring_mlp=variant != "ring-linear", interleave=INTERLEAVED.get(variant, 0)
+    )
+    if case.layers > 1:
+        block = TransformerBlock(
+            cfg, spec, post_layer_norm=False, pg_collection=_pg_collection(group)
+        ).to(rt.device)
+        return Built(block, lambda x: block(x, attention_mask=None), sp, shard)
+    layer = build_module(spec, config=cfg, layer_number=1, pg_collection=_pg_collection(group)).to(
+        rt.device
+    )
     return Built(layer, lambda x: layer(x, attention_mask=None)[0], sp, shard)
 
 
@@ -912,12 +930,12 @@ def run_checks(case, rt, variants, async_name, full) -> tuple[list[dict], set[st
         ok, error = False, f"{type(err).__name__}: {err}"[:300]
     built = None
     if not rt.all_ok(ok):  # nothing to compare with; the timings still run
-        row = {"label": rt.label, "block": case.block, "hidden": case.hidden}
+        row = {"label": rt.label, "block": case.name, "hidden": case.hidden}
         row.update(tokens=case.tokens, variant=REFERENCE, result="ERROR", error=error)
         return [row], set()
     ref, got = gather_reference(got, rt), None
     for variant in [v for v in CHECKED if v in variants]:
-        row = {"label": rt.label, "block": case.block, "hidden": case.hidden}
+        row = {"label": rt.label, "block": case.name, "hidden": case.hidden}
         row.update(tokens=case.tokens, variant=variant)
         reason = not_applicable(variant, case, rt, async_name)
         if reason == "P not a square":
@@ -955,7 +973,7 @@ def run_checks(case, rt, variants, async_name, full) -> tuple[list[dict], set[st
 
 def time_variant(variant: str, case: Case, rt: Runtime, async_name, full) -> Row:
     gpus = 1 if variant == "one-gpu" else rt.size
-    row = Row(rt.label, case.block, variant, case.hidden, case.tokens, case.seq, gpus)
+    row = Row(rt.label, case.name, variant, case.hidden, case.tokens, case.seq, gpus)
     ok, note = True, ""
     try:
         sp = variant in SEQUENCE_PARALLEL
@@ -1136,6 +1154,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"any of {', '.join(VARIANTS)} (old names: {', '.join(ALIASES)})",
     )
     parser.add_argument("--seq", type=int, default=4096, help="layer sequence length")
+    parser.add_argument(
+        "--layers", type=int, default=1, help="layer block: a TransformerBlock of this many layers"
+    )
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=10, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
@@ -1184,8 +1205,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--cpu", action="store_true", help="gloo on CPU (smoke test only)")
     args = parser.parse_args(argv)
-    if min(args.repeats, args.pool, args.seq, args.head_dim) < 1 or args.warmup < 0:
-        parser.error("--repeats, --pool, --seq, --head-dim must be >= 1 and --warmup >= 0")
+    if min(args.repeats, args.pool, args.seq, args.head_dim, args.layers) < 1 or args.warmup < 0:
+        parser.error(
+            "--repeats, --pool, --seq, --head-dim, --layers must be >= 1 and --warmup >= 0"
+        )
     if args.memory_trace and args.cpu:
         parser.error("--memory-trace reads the CUDA allocator's history: not with --cpu")
     if args.trace_dir and args.cpu:
@@ -1197,7 +1220,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("run under torchrun with --nproc_per_node >= 2 (the TP size P)")
     try:
         args.case_list = make_cases(
-            args.cases, args.hidden, args.tokens, args.seq, args.head_dim, world
+            args.cases, args.hidden, args.tokens, args.seq, args.head_dim, world, args.layers
         )
     except ValueError as err:
         parser.error(str(err))
@@ -1308,7 +1331,7 @@ def main(argv: list[str] | None = None) -> None:
         case_rows = []
         for variant in order:
             gpus = 1 if variant == "one-gpu" else rt.size
-            row = Row(rt.label, case.block, variant, case.hidden, case.tokens, case.seq, gpus)
+            row = Row(rt.label, case.name, variant, case.hidden, case.tokens, case.seq, gpus)
             reason = not_applicable(variant, case, rt, async_name)
             if reason is not None:
                 row.status, row.note = "n/a", reason

@@ -79,6 +79,28 @@ def _record_pieces(layers, calls: list[int]) -> None:
         layer.pieces_for = pieces_for
 
 
+def _record_transfers(module, counts: dict[str, int]) -> None:
+    """Count the interleaved layers' transfers by kind (patches ``module``'s
+    ``*_start`` names; the caller restores them)."""
+    for kind in ("gather", "all_reduce", "reduce_scatter"):
+        start = getattr(module, f"{kind}_start")
+
+        def counted(*args, kind=kind, start=start):
+            counts[kind] = counts.get(kind, 0) + 1
+            return start(*args)
+
+        setattr(module, f"{kind}_start", counted)
+
+
+def _interleaved_transfers(layers: int, pieces: int, recompute: str) -> dict[str, int]:
+    """Transfers per forward of a block of interleaved layers: handed on from layer to layer
+    (one gather and one reduce-scatter per piece at the block's ends, two all-reduces per
+    piece per layer but the last), or per layer under full recompute, each layer run twice."""
+    if recompute == "full":
+        return {kind: 2 * layers * pieces for kind in ("gather", "all_reduce", "reduce_scatter")}
+    return {"gather": pieces, "all_reduce": (2 * layers - 1) * pieces, "reduce_scatter": pieces}
+
+
 SPEC_VARIANTS = (  # tp_mode, fused ring MLP, recompute, interleave pieces
     ("megatron", True, "none", 0),
     ("ring", True, "none", 0),
@@ -104,6 +126,8 @@ def _spec_parity(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from ds_stpar.integrations.megatron import transformer_config
+    from ds_stpar.layers import async_comm
+    from ds_stpar.layers import interleave as interleave_module
     from ds_stpar.layers.activation import ClosedFormActivation
     from ds_stpar.layers.megatron_spec import get_gpt_block_stpar_spec
 
@@ -161,9 +185,10 @@ def _spec_parity(
             config.activation_func_clamp_value = 7.0  # a clamp has no closed form here
             assert mlp._closed_form_activation() is None
             config.activation_func_clamp_value = None
-        calls = []
+        calls, transfers = [], {}
         if interleave:
             _record_pieces(ours.decoder.layers, calls)
+            _record_transfers(interleave_module, transfers)
         missing, unexpected = ours.load_state_dict(reference.state_dict(), strict=False)
         assert not [k for k in missing + unexpected if not k.endswith("_extra_state")], (
             missing,
@@ -172,6 +197,11 @@ def _spec_parity(
         loss, grads = loss_and_grads(ours)
         runs = len(ours.decoder.layers) * (2 if recompute == "full" else 1)  # + the recompute
         assert calls == [interleave] * runs if interleave else not calls, calls
+        if interleave:
+            for kind in ("gather", "all_reduce", "reduce_scatter"):
+                setattr(interleave_module, f"{kind}_start", getattr(async_comm, f"{kind}_start"))
+            layers = len(ours.decoder.layers)
+            assert transfers == _interleaved_transfers(layers, interleave, recompute), transfers
         # Same weights and data; only the reduction order (SP collectives, ring steps, SDPA vs
         # baddbmm softmax) differs: fp32 rounding over K <= 96-term sums, far below 1e-5.
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
@@ -180,6 +210,8 @@ def _spec_parity(
             torch.testing.assert_close(
                 grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=f"{strategy.short()}: {name}"
             )
+        if interleave:  # the last layer Megatron builds in the block ends the hand-on
+            assert [layer.hands_on for layer in ours.decoder.layers][-2:] == [True, False]
         if interleave == 4:
             _check_pieces(ours.decoder.layers[0])
     parallel_state.destroy_model_parallel()
@@ -197,6 +229,14 @@ def _check_pieces(layer) -> None:
     assert layer.eval().pieces_for(hidden, {}) == 2
     with pytest.raises(ConfigError, match="pieces >= 2"):
         type(layer)(layer.config, layer.submodules_config, pieces=1)
+    # a layer handed 2 pieces in flight whose own call would run differently refuses them
+    from ds_stpar.layers.interleave import HANDOFF, Handoff
+
+    layer.hidden_dropout = 0.0
+    placeholder = torch.full((), math.nan).expand(8, 3, 64)
+    setattr(placeholder, HANDOFF, Handoff([lambda: None, lambda: None]))
+    with pytest.raises(RuntimeError, match="2 pieces in flight but this call runs in 1"):
+        layer(placeholder, attention_mask=None)
 
 
 def test_gpt_with_stpar_spec_matches_megatron_local_spec():
@@ -207,7 +247,8 @@ def test_interleaved_layer_matches_megatron_at_tp4():
     # 4 ranks: the pieces' gathers, all-reduces and reduce-scatters over more than one
     # neighbour, ranks 1 and 2 holding middle chunks (their own rows and the residual slice
     # sit between the others'), 4 pieces of a batch of 4 as well as 2.
-    spec = dataclasses.replace(TINY_LLAMA, num_query_groups=4)
+    # 3 layers: the middle one takes its input in flight and hands its output on.
+    spec = dataclasses.replace(TINY_LLAMA, num_layers=3, num_query_groups=4)
     interleaved = tuple(v for v in SPEC_VARIANTS if v[0] == "megatron" or v[3])
     run_workers(_spec_parity, 4, spec, interleaved)
 

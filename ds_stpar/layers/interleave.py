@@ -25,6 +25,25 @@ attention and the MLP are this layer's own submodules with their linears in
 and for larger k the same loops over more pieces. Every transfer but the first gather and the
 last reduction hides behind another piece's attention or MLP.
 
+In a stack the layer hands on. A layer that is not the last its block builds (``hands_on``,
+from Megatron's own layer count for the pipeline stage) ends with an all-reduce per piece
+instead of the reduce-scatter, and returns before waiting for it: its output is a placeholder
+``[s/P, b, h]`` (NaN, zero storage) carrying the pieces in flight (:class:`Handoff`). The next
+interleaved layer takes them instead of gathering, and finishes each piece's all-reduce and
+residual add only when it reaches that piece::
+
+    layer i:    ...  MLP(A), start all-reduce A;  MLP(B), start all-reduce B;  return
+    layer i+1:  finish all-reduce A: + residual, norm1, attention(A), start all-reduce A
+                finish all-reduce B: + residual, ...                   (all-reduce A travels)
+
+So the block's boundary transfers hide as its middle ones do: only the first layer's gather
+and the last layer's reduction stay exposed per stage, not per layer. The reduce-scatter then
+gather at a boundary become one all-reduce (same bytes; a transfer back to back with a little
+work between would stay exposed, as in the middle). Not under Megatron's full-layer recompute
+or CPU offloading (the block then wraps layers in checkpoints or offload hooks that take plain
+tensors), nor when the next layer's call would not run interleaved the same way: the
+receiving layer raises rather than read a placeholder.
+
 Why an all-reduce in the middle and not Megatron's reduce-scatter, residual add, norm and
 gather: those are two transfers back to back with a little work between them, and that work
 cannot run beside the other piece's GEMMs (cuBLAS's persistent kernels hold every SM until
@@ -58,13 +77,20 @@ weights, same function).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 from megatron.core.tensor_parallel import CheckpointWithoutOutput
 from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.transformer_layer import TransformerLayer
-from megatron.core.utils import make_viewless_tensor
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    get_transformer_layer_offset,
+)
+from megatron.core.utils import get_pg_rank, make_viewless_tensor
 from torch import Tensor
 
 from ds_stpar.errors import ConfigError
@@ -103,19 +129,45 @@ def local_compute(*modules: torch.nn.Module):
             linear.local_compute = None
 
 
+HANDOFF = "stpar_handoff"  # the placeholder's attribute holding the Handoff
+
+
+@dataclass
+class Handoff:
+    """A layer's output still in flight (module docstring): per piece, a call that waits for
+    the piece's all-reduce and adds the residual, giving the piece's rows ``[s, b/k, h]``."""
+
+    arrivals: list[Callable[[], Tensor]]
+
+
 class InterleavedTransformerLayer(TransformerLayer):
     """Megatron's ``TransformerLayer`` whose forward interleaves pieces of the batch (module
     docstring); same submodules, parameters and checkpoint as the ring layer.
 
     ``pieces``: how many (2, 4, ...); a call whose batch it does not divide takes gcd(batch,
-    pieces) pieces, and Megatron's forward when that is 1.
+    pieces) pieces, and Megatron's forward when that is 1. ``hands_on``: whether the layer
+    hands its pieces in flight to the next layer of its block (module docstring); True unless
+    it is the last layer Megatron builds in its block. Set it False to call the layer alone.
     """
 
-    def __init__(self, *args, pieces: int = 2, **kwargs) -> None:
+    def __init__(
+        self,
+        config,
+        submodules,
+        layer_number: int = 1,
+        hidden_dropout: float | None = None,
+        pg_collection=None,
+        vp_stage: int | None = None,
+        pieces: int = 2,
+    ) -> None:
         if pieces < 2:
             raise ConfigError(f"an interleaved layer needs pieces >= 2, got {pieces}")
-        super().__init__(*args, **kwargs)
+        super().__init__(config, submodules, layer_number, hidden_dropout, pg_collection, vp_stage)
         self.pieces = pieces
+        pp_rank = get_pg_rank(self.pg_collection.pp)
+        offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
+        built = get_num_layers_to_build(config, vp_stage, pp_rank)
+        self.hands_on = self.layer_number - offset < built
 
     def _tp_group(self):
         qkv = self.self_attention.linear_qkv
@@ -145,48 +197,78 @@ class InterleavedTransformerLayer(TransformerLayer):
         )
         return math.gcd(hidden_states.shape[1], self.pieces) if supported else 1
 
+    def _hand_on_now(self) -> bool:
+        """Whether this call hands on: the block calls the next layer directly (module
+        docstring)."""
+        full_recompute = self.config.recompute_granularity == "full" and self.training
+        return self.hands_on and not full_recompute and not self.config.cpu_offloading
+
     def forward(self, hidden_states: Tensor, *args, **kwargs):
+        handoff = hidden_states.__dict__.pop(HANDOFF, None)
         count = 1 if args else self.pieces_for(hidden_states, kwargs)
+        if handoff is not None and count != len(handoff.arrivals):
+            raise RuntimeError(
+                f"layer {self.layer_number} got the previous layer's {len(handoff.arrivals)} "
+                f"pieces in flight but this call runs in {count}: a block's interleaved layers "
+                "must run the same way (same pieces, no positional arguments)"
+            )
         if count == 1:
             return super().forward(hidden_states, *args, **kwargs)
         group = self._tp_group()
         masks = _split_mask(kwargs.pop("attention_mask", None), hidden_states.shape[1], count)
         extra = {name: kwargs[name] for name in ATTENTION_KWARGS if kwargs.get(name) is not None}
+        if handoff is None:
+            gathers = [gather_start(x, group) for x in hidden_states.chunk(count, dim=1)]
+            arrivals = [partial(gather_finish, *gather) for gather in gathers]
+        else:
+            arrivals = handoff.arrivals
+        hand_on = self._hand_on_now()
         with local_compute(self.self_attention, self.mlp):
-            output = self._pieces(hidden_states, group, count, masks, extra)
+            output = self._pieces(arrivals, group, masks, extra, hand_on)
+        if hand_on:
+            placeholder = hidden_states.new_full((), math.nan).expand(hidden_states.shape)
+            setattr(placeholder, HANDOFF, output)
+            return placeholder, None
         output = make_viewless_tensor(
             inp=output, requires_grad=output.requires_grad, keep_graph=True
         )
         return output, None
 
-    def _pieces(self, hidden_states: Tensor, group, count: int, masks: list, extra: dict):
-        """The interleaved schedule of the module docstring over ``count`` pieces."""
-        gathers = [gather_start(x, group) for x in hidden_states.chunk(count, dim=1)]
+    def _pieces(self, arrivals: list, group, masks: list, extra: dict, hand_on: bool):
+        """The interleaved schedule of the module docstring over the pieces ``arrivals``
+        give; the output rows ``[s/P, b, h]``, or the pieces in flight when ``hand_on``."""
         sums, residuals = [], []
-        for gather, mask in zip(gathers, masks, strict=True):
-            full = gather_finish(*gather)
+        for arrive, mask in zip(arrivals, masks, strict=True):
+            full = arrive()
             out, bias = _after_norm(
                 self.input_layernorm, self.self_attention, full, attention_mask=mask, **extra
             )
             sums.append((all_reduce_start(out, group), bias))
             residuals.append(full)
-        reduces = []
+        landings = []
         for ((token, transfer), bias), full in zip(sums, residuals, strict=True):
-            with self.bias_dropout_add_exec_handler():
-                middle = self.self_attn_bda(self.training, self.config.bias_dropout_fusion)(
-                    (all_reduce_finish(token, transfer), bias), full, self.hidden_dropout
-                )
+            middle = self._add(self.self_attn_bda, all_reduce_finish(token, transfer), bias, full)
             out, bias = _after_norm(self.pre_mlp_layernorm, self.mlp, middle)
-            reduces.append((reduce_scatter_start(out, group), bias, _own_rows(middle, group)))
-        outputs = []
-        for (token, transfer), bias, middle in reduces:
-            with self.bias_dropout_add_exec_handler():
-                outputs.append(
-                    self.mlp_bda(self.training, self.config.bias_dropout_fusion)(
-                        (reduce_scatter_finish(token, transfer), bias), middle, self.hidden_dropout
-                    )
-                )
-        return torch.cat(outputs, dim=1)
+            if hand_on:
+                land = (all_reduce_finish, *all_reduce_start(out, group), bias, middle)
+            else:
+                own = _own_rows(middle, group)
+                land = (reduce_scatter_finish, *reduce_scatter_start(out, group), bias, own)
+            landings.append(partial(self._land, *land))
+        if hand_on:
+            return Handoff(landings)
+        return torch.cat([land() for land in landings], dim=1)
+
+    def _land(self, finish: Callable, token: Tensor, transfer, bias, residual: Tensor) -> Tensor:
+        """A piece's MLP output: wait for its transfer, add it onto the residual."""
+        return self._add(self.mlp_bda, finish(token, transfer), bias, residual)
+
+    def _add(self, bda, out: Tensor, bias: Tensor | None, residual: Tensor) -> Tensor:
+        """Megatron's bias-dropout-add of a block's output onto the residual."""
+        with self.bias_dropout_add_exec_handler():
+            return bda(self.training, self.config.bias_dropout_fusion)(
+                (out, bias), residual, self.hidden_dropout
+            )
 
 
 def _after_norm(norm: torch.nn.Module, block: torch.nn.Module, x: Tensor, **kwargs):
