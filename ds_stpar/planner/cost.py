@@ -238,6 +238,11 @@ class _Context:
         self.two_pass_mlp = strategy.runs_ring_two_pass_mlp(model)
         #: pieces of the interleaved layer (layers/interleave.py), 0 when it does not run
         self.interleave = strategy.interleave if strategy.runs_interleaved else 0
+        #: interleaved layers that hand their pieces on in one block: a model chunk's (not
+        #: under full recompute, whose layer checkpoints take plain tensors)
+        self.hand_on = 1
+        if self.interleave and strategy.recompute != "full":
+            self.hand_on = max(1, int(min(self.layers) // self.v))
         self.activations = ev.activations
         if self.interleave:
             acts = (
@@ -337,6 +342,7 @@ def block_cost(ctx: _Context) -> BlockCost:
             ctx.interleave,
             attention,
             elementwise,
+            ctx.hand_on,
         )
     else:
         elementwise = block_elementwise(
@@ -391,7 +397,7 @@ the per-tensor ``torch.norm`` of the local l2-norm fallback and its ``.item()``,
 Python of the grad hand-over (``_copy_model_grads_to_main_grads``)."""
 
 
-def layer_host_calls(ctx: _Context, again: bool) -> tuple[int, int]:
+def layer_host_calls(ctx: _Context, again: bool) -> tuple[float, int]:
     """(TP collectives, ring/Cannon hop steps) one layer issues per micro-batch, forward +
     backward (+ the recomputed forward when the layer recomputes, ``again``).
 
@@ -405,11 +411,13 @@ def layer_host_calls(ctx: _Context, again: bool) -> tuple[int, int]:
     forward and backward (recompute + one pass). Cannon, per linear: q - 1 shift batches forward and q
     backward (the last carries the dX accumulator alone), and two re-layouts each way, each
     one P2P batch: 4 (2q + 3) (recompute +4 (q + 1)); no collective. The interleaved layer,
-    per piece: a gather, an all-reduce and a reduce-scatter each way: 6k (recompute +3k)."""
+    per piece: a gather, an all-reduce and a reduce-scatter each way: 6k (recompute +3k);
+    handing on through a block of n layers, two all-reduces each way and the block's ends'
+    gather and reduction shared: 2 (2 + 1/n) k."""
     if ctx.t == 1:
         return 0, 0
     if ctx.interleave:  # per piece a gather, an all-reduce and a reduce-scatter each way
-        return 3 * ctx.interleave * (2 + (1 if again else 0)), 0
+        return (2 + 1 / ctx.hand_on) * ctx.interleave * (2 + (1 if again else 0)), 0
     if ctx.mode == "ring":
         if ctx.fused_mlp:
             mlp_pass = 1 + ring_mlp_pieces(ctx.model, ctx.tokens, ctx.t)

@@ -249,17 +249,27 @@ def ring_block(
 
 
 def _flow_shop(
-    attention: float, mlp: float, gather: float, middle: float, reduce: float, pieces: int
+    attention: float,
+    mlp: float,
+    gather: float,
+    middle: float,
+    reduce: float,
+    pieces: int,
+    layers: int = 1,
 ) -> float:
-    """Seconds from the first gather to the end of one pass of the interleaved layer: the
-    compute stream runs every piece's attention half, then every piece's MLP half; the link
-    runs every piece's gather, then middle all-reduce, then reduction, one at a time. A half
-    waits for its piece's transfer before it, a transfer for its piece's half before it."""
-    link, gathered = _in_turn(0.0, [0.0] * pieces, gather)
-    compute, attended = _in_turn(0.0, gathered, attention)
-    link, middled = _in_turn(link, attended, middle)
-    compute, done = _in_turn(compute, middled, mlp)
-    link, _ = _in_turn(link, done, reduce)
+    """Seconds from the first gather to the end of one pass of ``layers`` interleaved layers
+    handing on (a block's; 1: a layer alone): the compute stream runs every piece's attention
+    half, then every piece's MLP half, layer after layer; the link runs every piece's gather,
+    then per layer the middle all-reduces and the boundary all-reduces (the last layer's:
+    the reductions), one at a time. A half waits for its piece's transfer before it, a
+    transfer for its piece's half before it."""
+    link, ready = _in_turn(0.0, [0.0] * pieces, gather)
+    compute = 0.0
+    for layer in range(layers):
+        compute, ready = _in_turn(compute, ready, attention)
+        link, ready = _in_turn(link, ready, middle)
+        compute, ready = _in_turn(compute, ready, mlp)
+        link, ready = _in_turn(link, ready, reduce if layer == layers - 1 else middle)
     return max(link, compute)
 
 
@@ -283,11 +293,15 @@ def interleaved_block(
     pieces: int,
     attention: Phase,
     elementwise: Phase,
+    layers: int = 1,
 ) -> BlockTP:
     """The interleaved layer (``layers/interleave.py``), k pieces of T/k tokens: Megatron's
     GEMMs on each piece (the linears run locally), and per piece a gather of its input, an
     all-reduce in the middle and a reduce-scatter of its output, each of S/k (S = e T h); the
     backward runs the adjoints (reduce-scatter, all-reduce, gather) in the mirror order.
+    ``layers``: how many layers hand their pieces on in one block (a model chunk's; 1 under
+    full recompute): the block's inner boundaries are one all-reduce each instead of a
+    reduce-scatter and a gather, and the returned costs are the block's per layer.
 
     Each pass is a two-machine flow shop (:func:`_flow_shop`) of the pieces' attention halves
     (QKV and projection GEMMs, the attention core, half the elementwise work) and MLP halves
@@ -301,12 +315,13 @@ def interleaved_block(
     size = e * tokens * model.hidden_size / k
     gather, middle, reduce = link.all_gather(size), link.all_reduce(size), link.reduce_scatter(size)
     result = BlockTP(Phase(0, 0), Phase(0, 0))
-    for kind, seconds in (
-        ("all_gather", gather),
-        ("all_reduce", middle),
-        ("reduce_scatter", reduce),
+    n = layers  # per layer of the block: the ends' gather and reduction 1/n, 2 - 1/n all-reduces
+    for kind, seconds, times in (
+        ("all_gather", gather, 1 / n),
+        ("all_reduce", middle, 2 - 1 / n),
+        ("reduce_scatter", reduce, 1 / n),
     ):
-        result.count(kind, seconds, 2 * k)
+        result.count(kind, seconds, 2 * k * times)
 
     def backward(g: Gemm) -> float:
         return speed.gemm(g.dgrad()) + speed.gemm(g.wgrad())
@@ -326,12 +341,11 @@ def interleaved_block(
         mlp_gemms.bwd + elementwise.bwd / (2 * k),
         attention_gemms.bwd + attention.bwd / k + elementwise.bwd / (2 * k),
     )
-    comm = k * (gather + middle + reduce)
+    comm = k * ((gather + reduce) / n + middle * (2 - 1 / n))
     exposed = []
     for first, second in (forward, backward_pass):
-        shown = max(
-            0.0, _flow_shop(first, second, gather, middle, reduce, k) - k * (first + second)
-        )
+        span = _flow_shop(first, second, gather, middle, reduce, k, n) / n
+        shown = max(0.0, span - k * (first + second))
         exposed.append(shown + (1.0 - overlap) * max(0.0, comm - shown))
     result.gemm, result.comm = gemm, Phase(*exposed)
     return result
