@@ -243,6 +243,37 @@ def test_gpt_with_stpar_spec_matches_megatron_local_spec():
     run_workers(_spec_parity, 2)
 
 
+def _hand_on_per_stage(rank: int, world: int) -> None:
+    """Which interleaved layers hand on, per pipeline stage: all but the last each stage's
+    block builds, even and uneven stages (the layers' global numbers run on across stages)."""
+    from ds_stpar.integrations import megatron_cpu
+
+    megatron_cpu.apply()
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    from ds_stpar.integrations.megatron import transformer_config
+    from ds_stpar.layers.megatron_spec import get_gpt_block_stpar_spec
+
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world)
+    pgs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "pp", "cp"])
+    model = dataclasses.replace(TINY_LLAMA, num_layers=6)
+    for first, expect in ((0, {0: [1, 2, 3], 1: [4, 5, 6]}), (5, {0: [1, 2, 3, 4, 5], 1: [6]})):
+        strategy = Strategy(Layout(pp=world, tp_mode="ring"), first_stage_layers=first)
+        config = transformer_config(model, strategy, "fp32")
+        spec = get_gpt_block_stpar_spec(config, "ring", pp_rank=rank, interleave=2)
+        block = TransformerBlock(config, spec, post_layer_norm=False, pg_collection=pgs)
+        numbers = [layer.layer_number for layer in block.layers]
+        assert numbers == expect[rank], (first, numbers)
+        assert [layer.hands_on for layer in block.layers] == [True] * (len(numbers) - 1) + [False]
+    parallel_state.destroy_model_parallel()
+
+
+def test_interleaved_layers_hand_on_within_each_pipeline_stage():
+    run_workers(_hand_on_per_stage, 2)
+
+
 def test_interleaved_layer_matches_megatron_at_tp4():
     # 4 ranks: the pieces' gathers, all-reduces and reduce-scatters over more than one
     # neighbour, ranks 1 and 2 holding middle chunks (their own rows and the residual slice
