@@ -993,7 +993,8 @@ def time_variant(variant: str, case: Case, rt: Runtime, async_name, full) -> Row
         times = rt.time_ms(lambda i: run_step(built, xs[i % rt.pool], dys[i % rt.pool]))
         rt.sync()
         peak = rt.peak() - base
-        name = f"{case.block}-{case.hidden}-{case.tokens}-{variant}-rank-{rt.rank}.json.gz"
+        block = case.name.replace(" ", "")  # "layer", "layerx4", "mlp"
+        name = f"{block}-{case.hidden}-{case.tokens}-{variant}-rank-{rt.rank}.json.gz"
         if rt.trace_dir:
             path = os.path.join(rt.trace_dir, f"{rt.label}-{name}")
             profile_steps(built, xs[0], dys[0], rt, path)

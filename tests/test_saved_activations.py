@@ -3,7 +3,8 @@
 One megatron-core ``GPTModel`` per layer variant, built from ds_stpar's spec on 2 gloo ranks
 (fp32, GeLU, LayerNorm, no biases, learned positions; SDPA's CPU flash kernel, which saves
 what its CUDA one does: Q, K, V, the output and the fp32 log-sum-exp). Everything the second
-layer's forward hands autograd to keep (``torch.autograd.graph.saved_tensors_hooks``) is
+of three layers' forward (an interleaved one takes its input in flight and hands its output
+on) hands autograd to keep (``torch.autograd.graph.saved_tensors_hooks``) is
 counted once per storage, parameters left out, at the end of the step's forward: what a
 ``CheckpointWithoutOutput`` discarded by then (the interleaved layer's norm outputs) counts
 zero. The planner's ``memory.layer_activation_bytes`` for the same layer (local stack, e = 4)
@@ -27,7 +28,7 @@ from tests.distributed import run_workers
 
 SPEC = ModelSpec(
     "saved",
-    2,
+    3,
     64,
     4,
     vocab_size=128,

@@ -25,24 +25,32 @@ attention and the MLP are this layer's own submodules with their linears in
 and for larger k the same loops over more pieces. Every transfer but the first gather and the
 last reduction hides behind another piece's attention or MLP.
 
-In a stack the layer hands on. A layer that is not the last its block builds (``hands_on``,
-from Megatron's own layer count for the pipeline stage) ends with an all-reduce per piece
-instead of the reduce-scatter, and returns before waiting for it: its output is a placeholder
-``[s/P, b, h]`` (NaN, zero storage) carrying the pieces in flight (:class:`Handoff`). The next
-interleaved layer takes them instead of gathering, and finishes each piece's all-reduce and
-residual add only when it reaches that piece::
+In a stack the layer hands on. A layer followed by another interleaved layer in its block
+(``hands_on``) ends with an all-reduce per piece instead of the reduce-scatter, and returns
+before waiting for it: its output is a placeholder ``[s/P, b, h]`` (NaN, zero storage)
+carrying the pieces in flight (:class:`Handoff`). The next layer takes them instead of
+gathering, and finishes each piece's all-reduce and residual add only when it reaches that
+piece::
 
     layer i:    ...  MLP(A), start all-reduce A;  MLP(B), start all-reduce B;  return
     layer i+1:  finish all-reduce A: + residual, norm1, attention(A), start all-reduce A
                 finish all-reduce B: + residual, ...                   (all-reduce A travels)
 
 So the block's boundary transfers hide as its middle ones do: only the first layer's gather
-and the last layer's reduction stay exposed per stage, not per layer. The reduce-scatter then
-gather at a boundary become one all-reduce (same bytes; a transfer back to back with a little
-work between would stay exposed, as in the middle). Not under Megatron's full-layer recompute
-or CPU offloading (the block then wraps layers in checkpoints or offload hooks that take plain
-tensors), nor when the next layer's call would not run interleaved the same way: the
-receiving layer raises rather than read a placeholder.
+and the last layer's reduction stay exposed, once per model chunk (a pipeline stage's block,
+or each virtual stage's), not per layer. The reduce-scatter then gather at a boundary become
+one all-reduce (same bytes; a transfer back to back with a little work between would stay
+exposed, as in the middle). Not under Megatron's full-layer recompute or CPU offloading (the
+block then wraps layers in checkpoints or offload hooks that take plain tensors). A receiving
+layer whose own call would run otherwise (other pieces, positional arguments) lands the
+pieces and keeps its rows, the real ``[s/P, b, h]``, and runs from that.
+
+Which layers hand on: :func:`~ds_stpar.layers.megatron_spec.get_gpt_block_stpar_spec` says so
+per layer (all but the last of its list). A layer spec that Megatron's ``TransformerBlock``
+repeats over its layers (``get_gpt_layer_stpar_spec``, Megatron-LM's ``--spec``) leaves it to
+the layer, which reads Megatron's own count of the layers the block builds for its pipeline
+stage (``get_num_layers_to_build``): all but the last. Built alone from such a spec with a
+config of several layers, a layer would hand on to nothing: pass ``hands_on=False``.
 
 Why an all-reduce in the middle and not Megatron's reduce-scatter, residual add, norm and
 gather: those are two transfers back to back with a little work between them, and that work
@@ -135,9 +143,16 @@ HANDOFF = "stpar_handoff"  # the placeholder's attribute holding the Handoff
 @dataclass
 class Handoff:
     """A layer's output still in flight (module docstring): per piece, a call that waits for
-    the piece's all-reduce and adds the residual, giving the piece's rows ``[s, b/k, h]``."""
+    the piece's all-reduce and adds the residual, giving the piece's rows ``[s, b/k, h]``
+    on every rank (``group``'s)."""
 
     arrivals: list[Callable[[], Tensor]]
+    group: object
+
+    def own_rows(self) -> Tensor:
+        """Land every piece and keep this rank's rows: ``[s/P, b, h]``, the output a layer
+        that does not hand on gives."""
+        return torch.cat([_own_rows(arrive(), self.group) for arrive in self.arrivals], dim=1)
 
 
 class InterleavedTransformerLayer(TransformerLayer):
@@ -146,8 +161,9 @@ class InterleavedTransformerLayer(TransformerLayer):
 
     ``pieces``: how many (2, 4, ...); a call whose batch it does not divide takes gcd(batch,
     pieces) pieces, and Megatron's forward when that is 1. ``hands_on``: whether the layer
-    hands its pieces in flight to the next layer of its block (module docstring); True unless
-    it is the last layer Megatron builds in its block. Set it False to call the layer alone.
+    hands its pieces in flight to the next layer of its block (module docstring); None: all
+    but the last layer ``get_num_layers_to_build`` counts for the block, as when Megatron's
+    block repeats one layer spec.
     """
 
     def __init__(
@@ -159,15 +175,18 @@ class InterleavedTransformerLayer(TransformerLayer):
         pg_collection=None,
         vp_stage: int | None = None,
         pieces: int = 2,
+        hands_on: bool | None = None,
     ) -> None:
         if pieces < 2:
             raise ConfigError(f"an interleaved layer needs pieces >= 2, got {pieces}")
         super().__init__(config, submodules, layer_number, hidden_dropout, pg_collection, vp_stage)
         self.pieces = pieces
-        pp_rank = get_pg_rank(self.pg_collection.pp)
-        offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
-        built = get_num_layers_to_build(config, vp_stage, pp_rank)
-        self.hands_on = self.layer_number - offset < built
+        if hands_on is None:
+            pp_rank = get_pg_rank(self.pg_collection.pp)
+            offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
+            built = get_num_layers_to_build(config, vp_stage, pp_rank)
+            hands_on = self.layer_number - offset < built
+        self.hands_on = hands_on
 
     def _tp_group(self):
         qkv = self.self_attention.linear_qkv
@@ -207,11 +226,7 @@ class InterleavedTransformerLayer(TransformerLayer):
         handoff = hidden_states.__dict__.pop(HANDOFF, None)
         count = 1 if args else self.pieces_for(hidden_states, kwargs)
         if handoff is not None and count != len(handoff.arrivals):
-            raise RuntimeError(
-                f"layer {self.layer_number} got the previous layer's {len(handoff.arrivals)} "
-                f"pieces in flight but this call runs in {count}: a block's interleaved layers "
-                "must run the same way (same pieces, no positional arguments)"
-            )
+            hidden_states, handoff = handoff.own_rows(), None  # runs otherwise: the real input
         if count == 1:
             return super().forward(hidden_states, *args, **kwargs)
         group = self._tp_group()
@@ -221,7 +236,7 @@ class InterleavedTransformerLayer(TransformerLayer):
             gathers = [gather_start(x, group) for x in hidden_states.chunk(count, dim=1)]
             arrivals = [partial(gather_finish, *gather) for gather in gathers]
         else:
-            arrivals = handoff.arrivals
+            arrivals, handoff = handoff.arrivals, None
         hand_on = self._hand_on_now()
         with local_compute(self.self_attention, self.mlp):
             output = self._pieces(arrivals, group, masks, extra, hand_on)
@@ -238,8 +253,8 @@ class InterleavedTransformerLayer(TransformerLayer):
         """The interleaved schedule of the module docstring over the pieces ``arrivals``
         give; the output rows ``[s/P, b, h]``, or the pieces in flight when ``hand_on``."""
         sums, residuals = [], []
-        for arrive, mask in zip(arrivals, masks, strict=True):
-            full = arrive()
+        for index, mask in enumerate(masks):
+            full, arrivals[index] = arrivals[index](), None  # free what the arrival holds
             out, bias = _after_norm(
                 self.input_layernorm, self.self_attention, full, attention_mask=mask, **extra
             )
@@ -256,7 +271,7 @@ class InterleavedTransformerLayer(TransformerLayer):
                 land = (reduce_scatter_finish, *reduce_scatter_start(out, group), bias, own)
             landings.append(partial(self._land, *land))
         if hand_on:
-            return Handoff(landings)
+            return Handoff(landings, group)
         return torch.cat([land() for land in landings], dim=1)
 
     def _land(self, finish: Callable, token: Tensor, transfer, bias, residual: Tensor) -> Tensor:

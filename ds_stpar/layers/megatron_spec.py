@@ -27,6 +27,7 @@ built in-process should pass :func:`get_gpt_block_stpar_spec` (layers + final no
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -167,13 +168,18 @@ def get_gpt_block_stpar_spec(
     fused_ring_mlp: bool | None = None,
     interleave: int | None = None,
 ) -> TransformerBlockSubmodules:
-    """The whole decoder block of one pipeline stage: ds_stpar layers plus an SP-capable final norm."""
+    """The whole decoder block of one pipeline stage: ds_stpar layers plus an SP-capable final
+    norm. Interleaved layers hand their pieces on to the next (``hands_on``), all but the last
+    of the list."""
     layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(
-        layer_specs=[get_gpt_layer_stpar_spec(tp_mode, tp_group, fused_ring_mlp, interleave)]
-        * layers,
-        layer_norm=SequenceParallelNorm,
-    )
+    spec = get_gpt_layer_stpar_spec(tp_mode, tp_group, fused_ring_mlp, interleave)
+    specs = [spec] * layers
+    if spec.module is InterleavedTransformerLayer:
+        specs = [
+            dataclasses.replace(spec, params={**spec.params, "hands_on": index < layers - 1})
+            for index in range(layers)
+        ]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=SequenceParallelNorm)
 
 
 #: The spec object Megatron-LM's ``--spec ds_stpar.layers.megatron_spec gpt_layer_stpar_spec``

@@ -238,11 +238,12 @@ class _Context:
         self.two_pass_mlp = strategy.runs_ring_two_pass_mlp(model)
         #: pieces of the interleaved layer (layers/interleave.py), 0 when it does not run
         self.interleave = strategy.interleave if strategy.runs_interleaved else 0
-        #: interleaved layers that hand their pieces on in one block: a model chunk's (not
-        #: under full recompute, whose layer checkpoints take plain tensors)
-        self.hand_on = 1
+        #: interleaved layers that hand their pieces on in one block: a model chunk's, the
+        #: smallest stage's with uneven stages (not under full recompute, whose layer
+        #: checkpoints take plain tensors)
+        self.hand_on_layers = 1
         if self.interleave and strategy.recompute != "full":
-            self.hand_on = max(1, int(min(self.layers) // self.v))
+            self.hand_on_layers = max(1, int(min(self.layers) // self.v))
         self.activations = ev.activations
         if self.interleave:
             acts = (
@@ -342,7 +343,7 @@ def block_cost(ctx: _Context) -> BlockCost:
             ctx.interleave,
             attention,
             elementwise,
-            ctx.hand_on,
+            ctx.hand_on_layers,
         )
     else:
         elementwise = block_elementwise(
@@ -417,7 +418,7 @@ def layer_host_calls(ctx: _Context, again: bool) -> tuple[float, int]:
     if ctx.t == 1:
         return 0, 0
     if ctx.interleave:  # per piece a gather, an all-reduce and a reduce-scatter each way
-        return (2 + 1 / ctx.hand_on) * ctx.interleave * (2 + (1 if again else 0)), 0
+        return (2 + 1 / ctx.hand_on_layers) * ctx.interleave * (2 + (1 if again else 0)), 0
     if ctx.mode == "ring":
         if ctx.fused_mlp:
             mlp_pass = 1 + ring_mlp_pieces(ctx.model, ctx.tokens, ctx.t)

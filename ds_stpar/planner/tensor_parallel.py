@@ -69,7 +69,7 @@ class BlockTP:
     comm: Phase  # exposed
     collectives: dict[str, float] = field(default_factory=dict)  # raw seconds per kind
 
-    def count(self, kind: str, seconds: float, times: int = 1) -> None:
+    def count(self, kind: str, seconds: float, times: float = 1) -> None:
         self.collectives[kind] = self.collectives.get(kind, 0.0) + seconds * times
 
 
