@@ -279,7 +279,7 @@ class InterleavedTransformerLayer(TransformerLayer):
         return self._add(self.mlp_bda, finish(token, transfer), bias, residual)
 
     def _add(self, bda, out: Tensor, bias: Tensor | None, residual: Tensor) -> Tensor:
-        """Megatron's bias-dropout-add of a block's output onto the residual."""
+        """Megatron's bias-dropout-add of the attention's or the MLP's output onto the residual."""
         with self.bias_dropout_add_exec_handler():
             return bda(self.training, self.config.bias_dropout_fusion)(
                 (out, bias), residual, self.hidden_dropout
