@@ -237,7 +237,9 @@ def test_gpt_with_stpar_spec_matches_megatron_local_spec():
 
 def _hand_on_per_stage(rank: int, world: int) -> None:
     """Which interleaved layers hand on, per pipeline stage: all but the last each stage's
-    block builds, even and uneven stages (the layers' global numbers run on across stages)."""
+    block builds, even and uneven stages (the layers' global numbers run on across stages),
+    from the block spec (set per layer) and from one layer spec the block repeats (read off
+    Megatron's layer count by each layer)."""
     from ds_stpar.integrations import megatron_cpu
 
     megatron_cpu.apply()
@@ -246,7 +248,7 @@ def _hand_on_per_stage(rank: int, world: int) -> None:
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     from ds_stpar.integrations.megatron import transformer_config
-    from ds_stpar.layers.megatron_spec import get_gpt_block_stpar_spec
+    from ds_stpar.layers.megatron_spec import get_gpt_block_stpar_spec, get_gpt_layer_stpar_spec
 
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world)
     pgs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "pp", "cp"])
@@ -254,11 +256,15 @@ def _hand_on_per_stage(rank: int, world: int) -> None:
     for first, expect in ((0, {0: [1, 2, 3], 1: [4, 5, 6]}), (5, {0: [1, 2, 3, 4, 5], 1: [6]})):
         strategy = Strategy(Layout(pp=world, tp_mode="ring"), first_stage_layers=first)
         config = transformer_config(model, strategy, "fp32")
-        spec = get_gpt_block_stpar_spec(config, "ring", pp_rank=rank, interleave=2)
-        block = TransformerBlock(config, spec, post_layer_norm=False, pg_collection=pgs)
-        numbers = [layer.layer_number for layer in block.layers]
-        assert numbers == expect[rank], (first, numbers)
-        assert [layer.hands_on for layer in block.layers] == [True] * (len(numbers) - 1) + [False]
+        for spec in (
+            get_gpt_block_stpar_spec(config, "ring", pp_rank=rank, interleave=2),
+            get_gpt_layer_stpar_spec("ring", interleave=2),
+        ):
+            block = TransformerBlock(config, spec, post_layer_norm=False, pg_collection=pgs)
+            numbers = [layer.layer_number for layer in block.layers]
+            assert numbers == expect[rank], (first, numbers)
+            hands_on = [layer.hands_on for layer in block.layers]
+            assert hands_on == [True] * (len(numbers) - 1) + [False], (first, hands_on)
     parallel_state.destroy_model_parallel()
 
 
