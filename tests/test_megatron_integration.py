@@ -357,6 +357,16 @@ def test_interleaved_layer_matches_megatron_at_tp4():
     run_workers(_spec_parity, 4, spec, interleaved)
 
 
+def test_interleaved_layer_with_biases_matches_megatron():
+    # Linear biases: the projection's and fc2's (left to the caller) are added on every row
+    # of every rank where the layer hands on, on this rank's rows where it reduces; their
+    # gradients, sequence-parallel parameters, are each rank's share and Megatron's TP sum
+    # adds them up (the parity's gradients sum them as Megatron's DDP would).
+    spec = dataclasses.replace(TINY_LLAMA, num_layers=3, add_bias_linear=True)
+    interleaved = tuple(v for v in SPEC_VARIANTS if v[3] and v[2] == "none")
+    run_workers(_spec_parity, 2, spec, interleaved)
+
+
 def _glu_masters(spec: ModelSpec) -> dict[str, torch.Tensor]:
     """Global (Megatron checkpoint) tensors of a gated MLP: fc1 ``[gate; up]`` [2f, h] with
     its bias [2f], fc2 [h, f] with its bias [h]; random so that every element differs."""
