@@ -211,7 +211,7 @@ class Case:
     tokens: int
     seq: int
     head_dim: int
-    layers: int = 1  # the layer block: a TransformerBlock of this many layers
+    layers: int = 1  # the layer block: a TransformerBlock of this many layers (mlp: 1)
 
     @property
     def batch(self) -> int:
@@ -229,7 +229,7 @@ class Case:
     @property
     def name(self) -> str:
         """The block as the rows show it: ``layer xN`` for a block of N layers."""
-        return f"layer x{self.layers}" if self.block == "layer" and self.layers > 1 else self.block
+        return f"{self.block} x{self.layers}" if self.layers > 1 else self.block
 
 
 def make_cases(
@@ -629,7 +629,7 @@ def _config(case: Case, tp: int, tp_mode: str, sp: bool, parts: int = 1):
 
     model = ModelSpec(
         f"bench-{case.hidden}",
-        case.layers if case.block == "layer" else 1,
+        case.layers,
         case.hidden,
         case.heads // parts,
         vocab_size=1024,

@@ -1,5 +1,6 @@
 """megatron-core GPT built from ModelSpec/Strategy with explicit groups."""
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -79,17 +80,32 @@ def _record_pieces(layers, calls: list[int]) -> None:
         layer.pieces_for = pieces_for
 
 
-def _record_transfers(module, counts: dict[str, int]) -> None:
-    """Count the interleaved layers' transfers by kind (patches ``module``'s
-    ``*_start`` names; the caller restores them)."""
-    for kind in ("gather", "all_reduce", "reduce_scatter"):
-        start = getattr(module, f"{kind}_start")
+TRANSFERS = ("gather", "all_reduce", "reduce_scatter")  # the interleaved layer's kinds
 
-        def counted(*args, kind=kind, start=start):
+
+@contextlib.contextmanager
+def _counted_transfers():
+    """Count the interleaved layers' transfers by kind while inside (yields the counts):
+    ``interleave``'s ``*_start`` names wrapped, and restored on the way out."""
+    from ds_stpar.layers import interleave
+
+    counts: dict[str, int] = {}
+    starts = {kind: getattr(interleave, f"{kind}_start") for kind in TRANSFERS}
+
+    def counted(kind: str):
+        def start(*args):
             counts[kind] = counts.get(kind, 0) + 1
-            return start(*args)
+            return starts[kind](*args)
 
-        setattr(module, f"{kind}_start", counted)
+        return start
+
+    for kind in TRANSFERS:
+        setattr(interleave, f"{kind}_start", counted(kind))
+    try:
+        yield counts
+    finally:
+        for kind, start in starts.items():
+            setattr(interleave, f"{kind}_start", start)
 
 
 def _interleaved_transfers(layers: int, pieces: int, recompute: str) -> dict[str, int]:
@@ -97,7 +113,7 @@ def _interleaved_transfers(layers: int, pieces: int, recompute: str) -> dict[str
     (one gather and one reduce-scatter per piece at the block's ends, two all-reduces per
     piece per layer but the last), or per layer under full recompute, each layer run twice."""
     if recompute == "full":
-        return {kind: 2 * layers * pieces for kind in ("gather", "all_reduce", "reduce_scatter")}
+        return {kind: 2 * layers * pieces for kind in TRANSFERS}
     return {"gather": pieces, "all_reduce": (2 * layers - 1) * pieces, "reduce_scatter": pieces}
 
 
@@ -126,8 +142,6 @@ def _spec_parity(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from ds_stpar.integrations.megatron import transformer_config
-    from ds_stpar.layers import async_comm
-    from ds_stpar.layers import interleave as interleave_module
     from ds_stpar.layers.activation import ClosedFormActivation
     from ds_stpar.layers.megatron_spec import get_gpt_block_stpar_spec
 
@@ -185,21 +199,19 @@ def _spec_parity(
             config.activation_func_clamp_value = 7.0  # a clamp has no closed form here
             assert mlp._closed_form_activation() is None
             config.activation_func_clamp_value = None
-        calls, transfers = [], {}
+        calls = []
         if interleave:
             _record_pieces(ours.decoder.layers, calls)
-            _record_transfers(interleave_module, transfers)
         missing, unexpected = ours.load_state_dict(reference.state_dict(), strict=False)
         assert not [k for k in missing + unexpected if not k.endswith("_extra_state")], (
             missing,
             unexpected,
         )
-        loss, grads = loss_and_grads(ours)
+        with _counted_transfers() as transfers:
+            loss, grads = loss_and_grads(ours)
         runs = len(ours.decoder.layers) * (2 if recompute == "full" else 1)  # + the recompute
         assert calls == [interleave] * runs if interleave else not calls, calls
         if interleave:
-            for kind in ("gather", "all_reduce", "reduce_scatter"):
-                setattr(interleave_module, f"{kind}_start", getattr(async_comm, f"{kind}_start"))
             layers = len(ours.decoder.layers)
             assert transfers == _interleaved_transfers(layers, interleave, recompute), transfers
         # Same weights and data; only the reduction order (SP collectives, ring steps, SDPA vs
@@ -283,8 +295,6 @@ def _hand_on_landings(rank: int, world: int) -> None:
     )
 
     from ds_stpar.integrations.megatron import transformer_config
-    from ds_stpar.layers import async_comm
-    from ds_stpar.layers import interleave as interleave_module
     from ds_stpar.layers.megatron_spec import get_gpt_layer_stpar_spec
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
@@ -314,13 +324,8 @@ def _hand_on_landings(rank: int, world: int) -> None:
     for second in (2, 4):
         layers = TransformerBlockSubmodules(layer_specs=[spec(2, True), spec(second, False)])
         block = TransformerBlock(config, layers, post_layer_norm=False, pg_collection=pgs)
-        transfers = {}
-        _record_transfers(interleave_module, transfers)
-        try:
+        with _counted_transfers() as transfers:
             handed = run(block)
-        finally:
-            for kind in ("gather", "all_reduce", "reduce_scatter"):
-                setattr(interleave_module, f"{kind}_start", getattr(async_comm, f"{kind}_start"))
         # per forward (run makes two): 4 pieces after 2, the second layer lands the first
         # one's 2 pieces and gathers 4 itself
         gathers = 2 + (second if second == 4 else 0)

@@ -91,8 +91,8 @@ class SharedWeightGrad(WeightGrad):
     :meth:`use` counts a forward application; after the last use's backward the count starts
     over, so a second backward through the same graph (``retain_graph=True``) sums afresh.
     Every use's backward must run in each backward pass, or the sum is never handed over: true
-    of an interleaved layer, whose output concatenates its pieces (the concatenation's
-    backward hands each piece its slice of the gradient). Where some uses' backward ran and
+    of an interleaved layer, every piece of which reaches its output (concatenated, or handed
+    on to the next layer). Where some uses' backward ran and
     others' did not, the accumulator warns when it is freed (the gradient was lost).
     """
 

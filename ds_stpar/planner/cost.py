@@ -417,7 +417,7 @@ def layer_host_calls(ctx: _Context, again: bool) -> tuple[float, int]:
     gather and reduction shared: 2 (2 + 1/n) k."""
     if ctx.t == 1:
         return 0, 0
-    if ctx.interleave:  # per piece a gather, an all-reduce and a reduce-scatter each way
+    if ctx.interleave:  # per piece two all-reduces, the block's ends shared, each way
         return (2 + 1 / ctx.hand_on_layers) * ctx.interleave * (2 + (1 if again else 0)), 0
     if ctx.mode == "ring":
         if ctx.fused_mlp:
