@@ -31,3 +31,16 @@ def test_trace_dir_needs_a_gpu(capsys, monkeypatch):
     assert exit_info.value.code == 2
     assert "--trace-dir records GPU activity: not with --cpu" in capsys.readouterr().err
     assert layers.parse_args(["--cpu", "--host-trace", "/tmp/t"]).host_trace == "/tmp/t"
+
+
+def test_layers_must_be_positive(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as exit_info:
+        layers.parse_args(["--cpu", "--layers", "0"])
+    assert exit_info.value.code == 2
+    assert "--layers must be >= 1" in capsys.readouterr().err
+    cases = layers.parse_args(["--cpu", "--layers", "4", "--cases", "mlp,layer"]).case_list
+    assert {(c.block, c.layers, c.name) for c in cases} == {
+        ("mlp", 1, "mlp"),
+        ("layer", 4, "layer x4"),
+    }
