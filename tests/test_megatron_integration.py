@@ -283,7 +283,8 @@ def _hand_on_per_stage(rank: int, world: int) -> None:
 def _hand_on_landings(rank: int, world: int) -> None:
     """A block of two interleaved layers, the first handing on: the same output and gradients
     as with the first layer reducing its own output, with and without autograd; when the
-    second layer runs in other pieces (4 against 2), it lands the pieces and gathers again."""
+    second layer runs in other pieces (4 against 2), it lands the pieces and gathers again;
+    when nothing interleaved takes them, the placeholder lands on first use."""
     from ds_stpar.integrations import megatron_cpu
 
     megatron_cpu.apply()
@@ -337,6 +338,29 @@ def _hand_on_landings(rank: int, world: int) -> None:
         # the backward adds the residual's and the branch's gradients on all rows or on this
         # rank's, in another order: fp32 roundings, measured at most 5e-7 on gradients of
         # magnitude up to 4
+        torch.testing.assert_close(handed[0], reduced[0], rtol=0, atol=0)
+        torch.testing.assert_close(handed[1], reduced[1], rtol=1e-5, atol=1e-6)
+        for name, grad in handed[2].items():
+            torch.testing.assert_close(grad, reduced[2][name], rtol=1e-5, atol=1e-6, msg=name)
+    # a layer told to hand on where no interleaved layer takes the pieces (a layer that is not
+    # interleaved next, or the block's output itself) lands them on first use: the result of
+    # the same layers reducing their own output, within the tolerances above
+    plain = get_gpt_layer_stpar_spec("ring")
+    for specs, interleaved in (([spec(2, True), plain], 1), ([spec(2, True), spec(2, True)], 2)):
+        block = TransformerBlock(
+            config,
+            TransformerBlockSubmodules(layer_specs=specs),
+            post_layer_norm=False,
+            pg_collection=pgs,
+        )
+        with _counted_transfers() as transfers:
+            handed = run(block)
+        # per forward: the first layer's 2 gathers, 2 all-reduces per piece per interleaved
+        # layer, no reduce-scatter (the pieces land as all-reduced rows)
+        assert transfers == {"gather": 2 * 2, "all_reduce": 2 * 4 * interleaved}, transfers
+        for layer in block.layers:
+            layer.hands_on = False
+        reduced = run(block)
         torch.testing.assert_close(handed[0], reduced[0], rtol=0, atol=0)
         torch.testing.assert_close(handed[1], reduced[1], rtol=1e-5, atol=1e-6)
         for name, grad in handed[2].items():

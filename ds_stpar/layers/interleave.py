@@ -43,7 +43,10 @@ one all-reduce (same bytes; a transfer back to back with a little work between w
 exposed, as in the middle). Not under Megatron's full-layer recompute or CPU offloading (the
 block then wraps layers in checkpoints or offload hooks that take plain tensors). A receiving
 layer whose own call would run otherwise (other pieces, positional arguments) lands the
-pieces and keeps its rows, the real ``[s/P, b, h]``, and runs from that.
+pieces and keeps its rows, the real ``[s/P, b, h]``, and runs from that. Anything else that
+uses the placeholder (a layer that is not interleaved, the final norm, a loss) lands it too
+on first use (:class:`HandoffTensor`): a layer told to hand on where nothing takes its pieces
+is late, never wrong.
 
 Which layers hand on: :func:`~ds_stpar.layers.megatron_spec.get_gpt_block_stpar_spec` says so
 per layer (all but the last of its list). A layer spec that Megatron's ``TransformerBlock``
@@ -100,6 +103,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 from megatron.core.utils import get_pg_rank, make_viewless_tensor
 from torch import Tensor
+from torch.utils._pytree import tree_map
 
 from ds_stpar.errors import ConfigError
 from ds_stpar.layers.async_comm import (
@@ -153,6 +157,60 @@ class Handoff:
         """Land every piece and keep this rank's rows: ``[s/P, b, h]``, the output a layer
         that does not hand on gives."""
         return torch.cat([_own_rows(arrive(), self.group) for arrive in self.arrivals], dim=1)
+
+
+_METADATA = {
+    torch.Tensor.shape.__get__,
+    torch.Tensor.dtype.__get__,
+    torch.Tensor.device.__get__,
+    torch.Tensor.requires_grad.__get__,
+    torch.Tensor.ndim.__get__,
+    torch.Tensor.size,
+    torch.Tensor.dim,
+}
+
+
+class HandoffTensor(torch.Tensor):
+    """The placeholder a layer handing on returns: ``[s/P, b, h]`` of one NaN broadcast (no
+    storage) carrying its pieces in flight (:class:`Handoff`, under ``stpar_handoff``).
+
+    The next interleaved layer takes the pieces (:meth:`take`) and reads only the shape. Any
+    other torch operation on it, a layer that is not interleaved or the block's final norm,
+    first lands the pieces and runs on this rank's rows (:meth:`Handoff.own_rows`), so a
+    misplaced hand-on costs the overlap, never the result. Shape, dtype and device queries do
+    not land."""
+
+    @staticmethod
+    def carrying(handoff: Handoff, like: Tensor) -> HandoffTensor:
+        nan = torch.full((), math.nan, dtype=like.dtype, device=like.device).expand(like.shape)
+        placeholder = torch.Tensor._make_subclass(HandoffTensor, nan)
+        setattr(placeholder, HANDOFF, handoff)
+        return placeholder
+
+    def take(self) -> Handoff:
+        """The pieces, for the next interleaved layer; the placeholder is spent."""
+        if HANDOFF not in self.__dict__:
+            raise RuntimeError("this layer output's pieces were already taken or landed")
+        return self.__dict__.pop(HANDOFF)
+
+    def land(self) -> Tensor:
+        """This rank's rows ``[s/P, b, h]``, landing the pieces on first use."""
+        if "_rows" not in self.__dict__:
+            self._rows = self.take().own_rows()
+        return self._rows
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        args, kwargs = tree_map(_landed, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _landed(value):
+    return value.land() if isinstance(value, HandoffTensor) else value
 
 
 class InterleavedTransformerLayer(TransformerLayer):
@@ -223,7 +281,7 @@ class InterleavedTransformerLayer(TransformerLayer):
         return self.hands_on and not full_recompute and not self.config.cpu_offloading
 
     def forward(self, hidden_states: Tensor, *args, **kwargs):
-        handoff = hidden_states.__dict__.pop(HANDOFF, None)
+        handoff = hidden_states.take() if isinstance(hidden_states, HandoffTensor) else None
         count = 1 if args else self.pieces_for(hidden_states, kwargs)
         if handoff is not None and count != len(handoff.arrivals):
             hidden_states, handoff = handoff.own_rows(), None  # runs otherwise: the real input
@@ -241,9 +299,7 @@ class InterleavedTransformerLayer(TransformerLayer):
         with local_compute(self.self_attention, self.mlp):
             output = self._pieces(arrivals, group, masks, extra, hand_on)
         if hand_on:
-            placeholder = hidden_states.new_full((), math.nan).expand(hidden_states.shape)
-            setattr(placeholder, HANDOFF, output)
-            return placeholder, None
+            return HandoffTensor.carrying(output, like=hidden_states), None
         output = make_viewless_tensor(
             inp=output, requires_grad=output.requires_grad, keep_graph=True
         )
