@@ -11,6 +11,7 @@ needs)::
     # host time per Python function (small shapes, host-bound), for bench/hoststats.py:
     #   --host-trace DIR
     # what is alive at each variant's peak (bench/memtrace.py), in the JSON rows: --memory-trace
+    # every variant's GEMMs through cuBLASLt planned for all SMs but N: --sm-carveout N
     # CPU smoke run of every code path but async-TP (gloo, tiny shapes; numbers mean nothing):
     torchrun --nproc_per_node 4 bench/layers.py --cpu --hidden 64 --head-dim 16 --tokens 64 --seq 32
 
@@ -1172,6 +1173,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="TP group's NCCL streams at high priority (Megatron's --high-priority-stream-groups tp)",
     )
     parser.add_argument(
+        "--sm-carveout",
+        type=int,
+        default=None,
+        help="every variant's GEMMs through cuBLASLt planned for all SMs but this many "
+        "(torch._C._set_sm_carveout_experimental), room for the NCCL kernels beside them",
+    )
+    parser.add_argument(
         "--ring-pieces",
         type=int,
         default=None,
@@ -1288,6 +1296,9 @@ def init_runtime(args: argparse.Namespace) -> Runtime:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     rt = init_runtime(args)
+    if args.sm_carveout is not None:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        torch._C._set_sm_carveout_experimental(args.sm_carveout)
     lead = rt.rank == 0
     async_name = None
     if "async-tp" in args.variants:
