@@ -284,7 +284,8 @@ def _hand_on_landings(rank: int, world: int) -> None:
     """A block of two interleaved layers, the first handing on: the same output and gradients
     as with the first layer reducing its own output, with and without autograd; when the
     second layer runs in other pieces (4 against 2), it lands the pieces and gathers again;
-    when nothing interleaved takes them, the placeholder lands on first use."""
+    when nothing interleaved takes them, the placeholder lands on first use; landed early, it
+    feeds the next layer its rows; taken, it refuses further use."""
     from ds_stpar.integrations import megatron_cpu
 
     megatron_cpu.apply()
@@ -365,6 +366,27 @@ def _hand_on_landings(rank: int, world: int) -> None:
         torch.testing.assert_close(handed[1], reduced[1], rtol=1e-5, atol=1e-6)
         for name, grad in handed[2].items():
             torch.testing.assert_close(grad, reduced[2][name], rtol=1e-5, atol=1e-6, msg=name)
+    # a placeholder that something used (landed) before the next layer gets it: that layer
+    # runs from the landed rows, to the bit (the same all-reduced rows, gathered again); one
+    # whose pieces a layer took refuses any further use
+    specs = [spec(2, True), spec(2, False)]
+    block = TransformerBlock(
+        config,
+        TransformerBlockSubmodules(layer_specs=specs),
+        post_layer_norm=False,
+        pg_collection=pgs,
+    )
+    first, second = block.layers
+    with torch.no_grad():
+        expected = block(x, attention_mask=None)
+        placeholder = first(hidden_states=x, attention_mask=None)[0]
+        assert torch.isfinite(placeholder * 1).all()  # lands
+        landed = second(hidden_states=placeholder, attention_mask=None)[0]
+        torch.testing.assert_close(landed, expected, rtol=0, atol=0)
+        placeholder = first(hidden_states=x, attention_mask=None)[0]
+        second(hidden_states=placeholder, attention_mask=None)
+        with pytest.raises(RuntimeError, match="already taken"):
+            placeholder.sum()
     parallel_state.destroy_model_parallel()
 
 

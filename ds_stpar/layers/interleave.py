@@ -187,10 +187,13 @@ class HandoffTensor(torch.Tensor):
         setattr(placeholder, HANDOFF, handoff)
         return placeholder
 
-    def take(self) -> Handoff:
-        """The pieces, for the next interleaved layer; the placeholder is spent."""
+    def take(self) -> Handoff | None:
+        """The pieces in flight, for the next interleaved layer (the placeholder is then
+        spent), or None once they have landed (:meth:`land` holds the rows)."""
+        if "_rows" in self.__dict__:
+            return None
         if HANDOFF not in self.__dict__:
-            raise RuntimeError("this layer output's pieces were already taken or landed")
+            raise RuntimeError("this layer output's pieces were already taken by another layer")
         return self.__dict__.pop(HANDOFF)
 
     def land(self) -> Tensor:
@@ -282,6 +285,8 @@ class InterleavedTransformerLayer(TransformerLayer):
 
     def forward(self, hidden_states: Tensor, *args, **kwargs):
         handoff = hidden_states.take() if isinstance(hidden_states, HandoffTensor) else None
+        if handoff is None and isinstance(hidden_states, HandoffTensor):
+            hidden_states = hidden_states.land()  # landed already, by another use
         count = 1 if args else self.pieces_for(hidden_states, kwargs)
         if handoff is not None and count != len(handoff.arrivals):
             hidden_states, handoff = handoff.own_rows(), None  # runs otherwise: the real input
