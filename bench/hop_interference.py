@@ -1,7 +1,7 @@
 """What one ring hop costs the GEMMs beside it, per transport and per cuBLAS SM target.
 
     torchrun --nproc_per_node 2 bench/hop_interference.py [--shapes 8192x8192x16384,...]
-        [--transports nccl,copy-engine] [--blas cublas,cublaslt] [--carveouts none,4,8,16,32]
+        [--transports nccl,copy-engine,local-copy] [--blas cublas,cublaslt] [--carveouts none,4,8,16,32]
 
 Where the P = 2 ring and the interleaved layer lose to the no-communication limit, the
 timelines put most of it in GEMMs running slower beside NCCL's kernels (BENCHMARKS.md,
@@ -11,7 +11,9 @@ twentieth and twenty-first sessions). Two remedies are measured here on one hop 
 - the transport: ``nccl`` is ds_stpar's ``start_p2p`` (NCCL's send/receive kernels, on SMs);
   ``copy-engine`` pushes the chunk into the peer's symmetric memory with ``copy_`` on a side
   stream (the GPU's copy engines, no SMs), between two symmetric-memory barriers (buffer free,
-  data landed; one-block kernels);
+  data landed; one-block kernels); ``local-copy`` moves nothing between the GPUs, only copies
+  the chunk within each (copy engine): the hop's memory traffic (read 1 chunk, write 1 chunk
+  per GPU) without the link, to tell the traffic's share of the loss from the link's;
 - the GEMM's SM target: PyTorch's ``torch._C._set_sm_carveout_experimental(c)`` tells cuBLASLt
   (and the Lt path of ``--blas cublaslt``) to plan for all SMs but ``c``, so that a GEMM
   launched beside a communication kernel is not split into a second wave.
@@ -106,7 +108,26 @@ class NcclHop:
         return self.arrival
 
 
-TRANSPORTS = {"nccl": NcclHop, "copy-engine": CopyEngineHop}
+class LocalCopy:
+    """No transfer: the chunk copied within this GPU by ``copy_`` on a side stream (copy
+    engine), the hop's memory traffic without NVLink or the peer: what the GEMMs lose to
+    that alone."""
+
+    def __init__(self, chunk: torch.Tensor, group) -> None:
+        self.arrival = torch.empty_like(chunk)
+        self._stream = torch.cuda.Stream(chunk.device)
+
+    def start(self, chunk: torch.Tensor) -> None:
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            self.arrival.copy_(chunk)
+
+    def finish(self) -> torch.Tensor:
+        torch.cuda.current_stream().wait_stream(self._stream)
+        return self.arrival
+
+
+TRANSPORTS = {"nccl": NcclHop, "copy-engine": CopyEngineHop, "local-copy": LocalCopy}
 
 
 def measure(rows: int, k: int, n: int, hop, group, args) -> dict[str, float]:
@@ -156,7 +177,7 @@ def measure(rows: int, k: int, n: int, hop, group, args) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shapes", default="8192x8192x16384,8192x8192x8192,4096x4096x8192")
-    parser.add_argument("--transports", default="nccl,copy-engine")
+    parser.add_argument("--transports", default="nccl,copy-engine,local-copy")
     parser.add_argument("--blas", default="cublas,cublaslt")
     parser.add_argument("--carveouts", default="none,4,8,16,32")
     parser.add_argument("--repeats", type=int, default=30)

@@ -74,7 +74,9 @@ then the max over the P ranks. TFLOP/s per GPU counts model FLOPs / GPUs (MLP 48
 Peak GiB (per GPU, the max over the ranks) = torch.cuda.max_memory_allocated during the steps
 minus the memory allocated before the variant's module was built (its input pool and the full
 weights excluded): weights, gradients, activations and Megatron's gather buffer (reset per
-variant); NCCL and symmetric-memory buffers are not counted.
+variant); NCCL's buffers and async-tp's symmetric memory are not counted, the ring's
+copy-engine buffer (``DS_STPAR_RING_TRANSPORT=symmetric-memory``,
+``ds_stpar.layers.symmetric``) is, added to the ring variants' peaks.
 "vs megatron-sp" = megatron-sp's ms / the variant's ms (> 1: faster).
 
 Before timing each case, every variant that computes the global function (megatron, ring,
@@ -129,6 +131,7 @@ VARIANTS = (
 )
 REFERENCE = "megatron-sp"
 INTERLEAVED = {"ring-interleaved": 2, "ring-interleaved-4": 4}  # variant -> pieces
+RING_PASSES = ("ring", "ring-linear")  # variants whose hops go through comm.ring_pass
 # compared with REFERENCE before timing (no-comm computes a different function); async-tp last
 CHECKED = (
     "megatron",
@@ -281,6 +284,9 @@ class Row:
     note: str = ""
     times_ms: list[float] = field(default_factory=list)
     memory_trace: dict | None = None  # --memory-trace: rank 0's peak by source line
+    ring_transport: str | None = (
+        None  # ring variants: "copy engines" or "nccl" (layers/symmetric.py)
+    )
 
 
 def finish_rows(rows: list[Row], flops: float) -> None:
@@ -983,6 +989,10 @@ def time_variant(variant: str, case: Case, rt: Runtime, async_name, full) -> Row
         xs = [rt.randn(shape, seed + i) for i in range(rt.pool)]
         dys = [rt.randn(shape, seed + 100 + i) for i in range(rt.pool)]
         reset_megatron_buffer()
+        if rt.cuda:  # the ring's copy-engine buffer, made anew for this variant's shapes
+            from ds_stpar.layers.symmetric import release
+
+            release(rt.device)
         rt.free()
         rt.sync()
         base = rt.allocated()
@@ -994,6 +1004,12 @@ def time_variant(variant: str, case: Case, rt: Runtime, async_name, full) -> Row
         times = rt.time_ms(lambda i: run_step(built, xs[i % rt.pool], dys[i % rt.pool]))
         rt.sync()
         peak = rt.peak() - base
+        if variant in RING_PASSES and rt.cuda:  # the ring's copy-engine buffer, when in use
+            from ds_stpar.layers.symmetric import workspace_bytes
+
+            held = workspace_bytes(rt.device)
+            peak += held
+            row.ring_transport = "copy engines" if held else "nccl"
         block = case.name.replace(" ", "")  # "layer", "layerx4", "mlp"
         name = f"{block}-{case.hidden}-{case.tokens}-{variant}-rank-{rt.rank}.json.gz"
         if rt.trace_dir:
@@ -1316,7 +1332,12 @@ def main(argv: list[str] | None = None) -> None:
         "megatron_core": _megatron_version(),
         "env": {
             k: os.environ.get(k)
-            for k in ("CUDA_DEVICE_MAX_CONNECTIONS", "NCCL_P2P_DISABLE", "NCCL_NVLS_ENABLE")
+            for k in (
+                "CUDA_DEVICE_MAX_CONNECTIONS",
+                "NCCL_P2P_DISABLE",
+                "NCCL_NVLS_ENABLE",
+                "DS_STPAR_RING_TRANSPORT",
+            )
         },
         "args": {k: v for k, v in vars(args).items() if k != "case_list"},
     }

@@ -1,10 +1,14 @@
-"""The ring passes through each P2P path ``comm.start_p2p`` has, against float64.
+"""The ring passes through each P2P path ``comm.start_p2p`` has, and through the copy-engine
+transport (``layers/symmetric.py``), against float64.
 
 ``start_p2p`` issues a batch one of two ways: ``dist.batch_isend_irecv`` (gloo, and CUDA
 backends that do not coalesce) or, on NCCL, the process group's own coalesced send / recv
 calls from the compute stream, with NCCL's stream ordering itself after the compute stream and
 the process group holding the buffers. The same checks run on both: gloo on the CPU (always)
-and NCCL on two GPUs (``gpu``: skipped where there are fewer). Each rank runs the ring column
+and NCCL on two GPUs (``gpu``: skipped where there are fewer, ``DS_STPAR_RING_TRANSPORT=nccl``);
+on the GPUs once more with ``symmetric-memory`` (``ring_pass``'s hops pushed into the
+neighbour's symmetric memory, the arrivals views of it), and with ``auto``, which must take the
+copy engines on two peer-linked GPUs and NCCL under ``NCCL_P2P_DISABLE=1``. Each rank runs the ring column
 and row linears and the two-pass and fused MLPs (each with its activation a plain callable,
 and the closed form that writes dA over A) forward and backward 12 times (more batches than the
 in-flight bound of 8, so the bound's host waits run too) and compares output, input gradient
@@ -16,11 +20,14 @@ the sums, so 1e-5 is > 10x the expected error and far below an indexing or order
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ds_stpar.layers import symmetric
 from ds_stpar.layers.activation import ClosedFormActivation
 from ds_stpar.layers.ring import ring_column_linear, ring_row_linear
 from ds_stpar.layers.ring_mlp import ring_mlp, ring_two_pass_mlp
@@ -125,7 +132,7 @@ def _check_closed_form_in_place(device) -> None:
     assert torch.equal(over_a, leaf.grad), "closed form over A"
 
 
-def _worker(rank: int, world_size: int, device_type: str) -> None:
+def _worker(rank: int, world_size: int, device_type: str, copy_engines: bool = False) -> None:
     device = torch.device(device_type, rank if device_type == "cuda" else 0)
     torch.backends.cuda.matmul.allow_tf32 = False
     group = dist.new_group(list(range(world_size)))
@@ -137,10 +144,27 @@ def _worker(rank: int, world_size: int, device_type: str) -> None:
     _check_closed_form_in_place(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    # the transport expected was the one used: the copy engines' buffer exists exactly when
+    # they carried the hops
+    assert symmetric.TRANSPORT == os.environ.get("DS_STPAR_RING_TRANSPORT", "auto")
+    assert (symmetric.workspace_bytes(device) > 0) == copy_engines
 
 
-def test_ring_passes_through_batch_isend_irecv_on_gloo() -> None:
+@pytest.mark.parametrize("transport", ["auto", "nccl", "symmetric-memory"])
+def test_ring_passes_through_batch_isend_irecv_on_gloo(monkeypatch, transport) -> None:
+    """On the CPU the ring keeps ``start_p2p`` whichever transport is set (the copy engines
+    serve GPU groups only)."""
+    monkeypatch.setenv("DS_STPAR_RING_TRANSPORT", transport)  # the workers' import
     run_workers(_worker, 2, "cpu")
+
+
+def test_ring_transport_setting_refuses_unknown_names(monkeypatch) -> None:
+    from ds_stpar.errors import ConfigError
+    from ds_stpar.layers import symmetric
+
+    monkeypatch.setenv("DS_STPAR_RING_TRANSPORT", "copy")
+    with pytest.raises(ConfigError, match="symmetric-memory"):
+        symmetric._transport()
 
 
 @pytest.mark.gpu
@@ -148,5 +172,33 @@ def test_ring_passes_through_batch_isend_irecv_on_gloo() -> None:
     not torch.cuda.is_available() or torch.cuda.device_count() < 2,
     reason="needs 2 CUDA GPUs for NCCL (CI has none)",
 )
-def test_ring_passes_through_nccl_coalesced_calls() -> None:
+def test_ring_passes_through_nccl_coalesced_calls(monkeypatch) -> None:
+    monkeypatch.setenv("DS_STPAR_RING_TRANSPORT", "nccl")
     run_workers(_worker, 2, "cuda", backend="nccl")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="needs 2 CUDA GPUs with peer access for symmetric memory (CI has none)",
+)
+def test_ring_passes_through_symmetric_memory(monkeypatch) -> None:
+    monkeypatch.setenv("DS_STPAR_RING_TRANSPORT", "symmetric-memory")  # the workers' import
+    run_workers(_worker, 2, "cuda", True, backend="nccl")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available()
+    or torch.cuda.device_count() < 2
+    or not torch.cuda.can_device_access_peer(0, 1),
+    reason="needs 2 CUDA GPUs with peer access (CI has none)",
+)
+@pytest.mark.parametrize("p2p_disabled", [False, True])
+def test_ring_transport_auto_takes_copy_engines_over_peer_links(monkeypatch, p2p_disabled) -> None:
+    monkeypatch.setenv("DS_STPAR_RING_TRANSPORT", "auto")
+    if p2p_disabled:
+        monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+    else:
+        monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    run_workers(_worker, 2, "cuda", not p2p_disabled, backend="nccl")

@@ -19,9 +19,9 @@ reserve grew with the lead (a block whose last use is still queued on another st
 reused) to the card's capacity, where it frees its cache and retries, a device-wide sync each:
 7% of a 32K step on H200; on H100, whose capacity the reserve met sooner, the same layout had
 run 16-20% slow (BENCHMARKS.md, twelfth and thirteenth sessions). On CPU the same code runs
-minus the streams (gloo progresses the transfer on its own threads). Splitting a step into
-finer pieces, or a copy-engine transport, can later replace the body of :func:`start_p2p` /
-:func:`ring_pass` without changing any caller.
+minus the streams (gloo progresses the transfer on its own threads). Within one host with
+peer links, :func:`ring_pass`'s hops go by the copy engines instead
+(:mod:`ds_stpar.layers.symmetric`); the other patterns keep :func:`start_p2p`.
 
 Schedules (no autograd, used by the layer algorithms in ``ring.py``):
 
@@ -58,6 +58,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ds_stpar.errors import ConfigError
+from ds_stpar.layers.symmetric import symmetric_ring
 
 Group = dist.ProcessGroup
 Region = tuple[slice, ...]
@@ -216,11 +217,16 @@ def start_p2p(sends: Sequence[Message], recvs: Sequence[Message], group: Group) 
         for msg in messages:
             msg.tensor.record_stream(stream)
         pending = PendingP2P(works, received, stream)
+    _bound_in_flight(device)
+    return pending
+
+
+def _bound_in_flight(device: torch.device) -> None:
+    """Count a batch just issued against :data:`MAX_IN_FLIGHT` (see :class:`InFlightLimit`)."""
     if MAX_IN_FLIGHT > 0:
         if device not in _LIMITS:
             _LIMITS[device] = InFlightLimit(MAX_IN_FLIGHT)
-        _LIMITS[device].add(compute.record_event())
-    return pending
+        _LIMITS[device].add(torch.cuda.current_stream(device).record_event())
 
 
 def ring_pass(
@@ -240,12 +246,17 @@ def ring_pass(
     less). At step t it is called for m = (d+t+1) % P (while the previous hop is in flight),
     the partial sum received from d+1 is added, and the result goes to d-1; the last step
     yields the complete sum for chunk d, which is returned. One batch per step carries both
-    streams.
+    streams: :func:`start_p2p`'s, or, on GPUs with peer links (``DS_STPAR_RING_TRANSPORT``),
+    the copy engines' (:mod:`ds_stpar.layers.symmetric`, whose arrivals are views of its
+    buffer: no receive buffers here).
     """
     size, me = group.size(), group.rank()
     left, right = (me - 1) % size, (me + 1) % size
+    symmetric = symmetric_ring(group, rotate.device) if rotate is not None else None
     spares = (
-        [torch.empty_like(rotate) for _ in range(min(2, size - 1))] if rotate is not None else []
+        [torch.empty_like(rotate) for _ in range(min(2, size - 1))]
+        if rotate is not None and symmetric is None
+        else []
     )
     acc_buffer: Tensor | None = None
     chunk, total, pending = rotate, None, None
@@ -259,7 +270,15 @@ def ring_pass(
                 chunk = received.pop(0)
             if partial is not None:
                 total.add_(received.pop(0))  # partial() gave a fresh tensor: sum in place
-        if step < size - 1:
+        if step < size - 1 and rotate is None:
+            symmetric = symmetric_ring(group, total.device)
+        if step < size - 1 and symmetric is not None:
+            sent = ([chunk] if rotate is not None else []) + (
+                [total] if partial is not None else []
+            )
+            pending = symmetric.start([t.contiguous() for t in sent])
+            _bound_in_flight(total.device if rotate is None else chunk.device)
+        elif step < size - 1:
             sends, recvs = [], []
             if rotate is not None:
                 sends.append(Message(chunk, left, 0))
