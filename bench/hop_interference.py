@@ -61,34 +61,21 @@ def timed(fn: Callable[[], None], group, repeats: int, warmup: int) -> float:
 
 
 class CopyEngineHop:
-    """The chunk pushed into the peer's symmetric buffer by ``copy_`` (copy engines) on a side
-    stream, between a barrier (the peer's buffer is free: its reads are behind it) and a
-    barrier in ``finish`` (both pushes landed); the arrival is this rank's own buffer."""
+    """ds_stpar's copy-engine ring (``layers/symmetric.SymmetricRing``, as ``ring_pass`` uses
+    it): the chunk pushed into the peer's symmetric buffer on a side stream between two
+    barriers; the arrival is a view of this rank's own buffer."""
 
     def __init__(self, chunk: torch.Tensor, group) -> None:
-        import torch.distributed._symmetric_memory as symm_mem
+        from ds_stpar.layers.symmetric import SymmetricRing
 
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None:
-            enable(group.group_name)
-        self._buffer = symm_mem.empty(chunk.numel(), dtype=chunk.dtype, device=chunk.device)
-        self._handle = symm_mem.rendezvous(self._buffer, group)
-        peer = 1 - group.rank()
-        self._remote = self._handle.get_buffer(peer, chunk.shape, chunk.dtype)
-        self.arrival = self._handle.get_buffer(group.rank(), chunk.shape, chunk.dtype)
-        self._stream = torch.cuda.Stream(chunk.device)
+        self._ring = SymmetricRing(group, chunk.device)
+        self._batch = None
 
     def start(self, chunk: torch.Tensor) -> None:
-        self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
-            self._handle.barrier(channel=0)
-            self._remote.copy_(chunk)
+        self._batch = self._ring.start([chunk])
 
     def finish(self) -> torch.Tensor:
-        with torch.cuda.stream(self._stream):
-            self._handle.barrier(channel=1)
-        torch.cuda.current_stream().wait_stream(self._stream)
-        return self.arrival
+        return self._batch.wait()[0]
 
 
 class NcclHop:

@@ -75,8 +75,8 @@ Peak GiB (per GPU, the max over the ranks) = torch.cuda.max_memory_allocated dur
 minus the memory allocated before the variant's module was built (its input pool and the full
 weights excluded): weights, gradients, activations and Megatron's gather buffer (reset per
 variant); NCCL's buffers and async-tp's symmetric memory are not counted, the ring's
-copy-engine buffer (``DS_STPAR_RING_TRANSPORT=symmetric-memory``,
-``ds_stpar.layers.symmetric``) is, added to the ring variants' peaks.
+copy-engine buffer (``ds_stpar.layers.symmetric``, where ``DS_STPAR_RING_TRANSPORT``
+takes it) is, added to the ring variants' peaks.
 "vs megatron-sp" = megatron-sp's ms / the variant's ms (> 1: faster).
 
 Before timing each case, every variant that computes the global function (megatron, ring,

@@ -285,7 +285,8 @@ def _hand_on_landings(rank: int, world: int) -> None:
     as with the first layer reducing its own output, with and without autograd; when the
     second layer runs in other pieces (4 against 2), it lands the pieces and gathers again;
     when nothing interleaved takes them, the placeholder lands on first use; landed early, it
-    feeds the next layer its rows; taken, it refuses further use."""
+    feeds the next layer its rows; taken, it refuses further use; made with autograd on, it
+    refuses to land with it off."""
     from ds_stpar.integrations import megatron_cpu
 
     megatron_cpu.apply()
@@ -387,6 +388,15 @@ def _hand_on_landings(rank: int, world: int) -> None:
         second(hidden_states=placeholder, attention_mask=None)
         with pytest.raises(RuntimeError, match="already taken"):
             placeholder.sum()
+    # made with autograd on, first used with it off: refused (the rows would carry no graph
+    # back to the first layer); used with it on, it lands and the gradients reach x
+    leaf = x.clone().requires_grad_()
+    placeholder = first(hidden_states=leaf, attention_mask=None)[0]
+    assert placeholder.shape == x.shape and placeholder.numel() == x.numel()  # no landing
+    with torch.no_grad(), pytest.raises(RuntimeError, match="autograd off"):
+        placeholder.sum()
+    (placeholder * dy).sum().backward()
+    assert leaf.grad is not None and torch.isfinite(leaf.grad).all()
     parallel_state.destroy_model_parallel()
 
 

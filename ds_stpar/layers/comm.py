@@ -1,7 +1,8 @@
 """Point-to-point communication patterns of the spatial-temporal layers.
 
 Every pattern is built from one primitive, :func:`start_p2p`: a batch of ``isend``/``irecv``
-that returns at once and is completed by :meth:`PendingP2P.wait`. It runs on gloo (CPU tests)
+that returns at once and is completed by :meth:`PendingP2P.wait` (:func:`ring_pass`'s batches
+may go by the copy engines instead, below). It runs on gloo (CPU tests)
 and NCCL alike. Peers are *group* ranks, so a TP group smaller than the world (or strided
 across it) works. The process group is always an argument.
 
@@ -240,6 +241,8 @@ def ring_pass(
 
     ``rotate`` is this rank's chunk d. At step t the chunk c = (d+t) % P is here and
     ``visit(c, chunk)`` runs while the chunk travels on to d-1 (the chunk of d+1 arrives).
+    ``visit`` must use ``chunk`` on the current stream and not keep it: an arrival may be a
+    view of the copy engines' buffer, which a later batch writes over.
 
     ``partial(m)`` gives this rank's contribution to the sum for chunk m, as a fresh tensor
     (the received partial sum is added into it in place, so the pass holds one sum buffer

@@ -159,14 +159,17 @@ class Handoff:
         return torch.cat([_own_rows(arrive(), self.group) for arrive in self.arrivals], dim=1)
 
 
-_METADATA = {
+_METADATA = {  # queries the placeholder answers as the rows would, without landing them
     torch.Tensor.shape.__get__,
     torch.Tensor.dtype.__get__,
     torch.Tensor.device.__get__,
-    torch.Tensor.requires_grad.__get__,
+    torch.Tensor.is_cuda.__get__,
     torch.Tensor.ndim.__get__,
     torch.Tensor.size,
     torch.Tensor.dim,
+    torch.Tensor.numel,
+    torch.Tensor.element_size,
+    torch.Tensor.__len__,
 }
 
 
@@ -177,21 +180,26 @@ class HandoffTensor(torch.Tensor):
     The next interleaved layer takes the pieces (:meth:`take`) and reads only the shape. Any
     other torch operation on it, a layer that is not interleaved or the block's final norm,
     first lands the pieces and runs on this rank's rows (:meth:`Handoff.own_rows`), so a
-    misplaced hand-on costs the overlap, never the result. Shape, dtype and device queries do
-    not land."""
+    misplaced hand-on costs the overlap, never the result. Shape, size, dtype and device
+    queries (``_METADATA``) do not land; everything else does, ``requires_grad`` and strides
+    included. A placeholder made with autograd on refuses to land with it off (under
+    ``no_grad``, or inside an ``autograd.Function``'s forward): the rows would carry no graph
+    back to the layers before, and their gradients would be lost without a word."""
 
     @staticmethod
     def carrying(handoff: Handoff, like: Tensor) -> HandoffTensor:
         nan = torch.full((), math.nan, dtype=like.dtype, device=like.device).expand(like.shape)
         placeholder = torch.Tensor._make_subclass(HandoffTensor, nan)
         setattr(placeholder, HANDOFF, handoff)
+        placeholder._grad_mode = torch.is_grad_enabled()
         return placeholder
 
-    def take(self) -> Handoff | None:
-        """The pieces in flight, for the next interleaved layer (the placeholder is then
-        spent), or None once they have landed (:meth:`land` holds the rows)."""
-        if "_rows" in self.__dict__:
-            return None
+    def pending_pieces(self) -> int:
+        """How many pieces are in flight; 0 once taken or landed."""
+        return len(self.__dict__[HANDOFF].arrivals) if HANDOFF in self.__dict__ else 0
+
+    def take(self) -> Handoff:
+        """The pieces in flight, for the next interleaved layer; the placeholder is spent."""
         if HANDOFF not in self.__dict__:
             raise RuntimeError("this layer output's pieces were already taken by another layer")
         return self.__dict__.pop(HANDOFF)
@@ -199,6 +207,12 @@ class HandoffTensor(torch.Tensor):
     def land(self) -> Tensor:
         """This rank's rows ``[s/P, b, h]``, landing the pieces on first use."""
         if "_rows" not in self.__dict__:
+            if self._grad_mode and not torch.is_grad_enabled():
+                raise RuntimeError(
+                    "a hand-on layer's output was first used with autograd off (no_grad, or "
+                    "inside an autograd.Function): its rows would lose the gradient path; use "
+                    "it with autograd on first, or build that layer with hands_on=False"
+                )
             self._rows = self.take().own_rows()
         return self._rows
 
@@ -284,12 +298,13 @@ class InterleavedTransformerLayer(TransformerLayer):
         return self.hands_on and not full_recompute and not self.config.cpu_offloading
 
     def forward(self, hidden_states: Tensor, *args, **kwargs):
-        handoff = hidden_states.take() if isinstance(hidden_states, HandoffTensor) else None
-        if handoff is None and isinstance(hidden_states, HandoffTensor):
-            hidden_states = hidden_states.land()  # landed already, by another use
         count = 1 if args else self.pieces_for(hidden_states, kwargs)
-        if handoff is not None and count != len(handoff.arrivals):
-            hidden_states, handoff = handoff.own_rows(), None  # runs otherwise: the real input
+        handoff = None
+        if isinstance(hidden_states, HandoffTensor):
+            if hidden_states.pending_pieces() == count:
+                handoff = hidden_states.take()
+            else:  # landed already, or this call runs otherwise: from the real rows
+                hidden_states = hidden_states.land()
         if count == 1:
             return super().forward(hidden_states, *args, **kwargs)
         group = self._tp_group()

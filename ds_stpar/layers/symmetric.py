@@ -21,11 +21,15 @@ caching allocator: it is not in ``torch.cuda.max_memory_allocated``, and
 :func:`workspace_bytes` says how much it holds.
 
 Which transport: ``DS_STPAR_RING_TRANSPORT`` = ``auto`` (default), ``nccl`` or
-``symmetric-memory``. ``auto`` takes the copy engines for a GPU group whose ranks share one
-host and can each reach their left neighbour's GPU (``torch.cuda.can_device_access_peer``),
-unless ``NCCL_P2P_DISABLE=1`` says peer links are not to be used; the ranks agree on it once
-per group (collective: a gather of host names, a MIN all-reduce of the verdicts), so they all
-take the same transport. CPU groups (gloo) always use ``start_p2p``. Measured over NVLink
+``symmetric-memory``, the same on every rank (as NCCL's own variables: ranks that disagree
+wait for each other at the first ring pass). ``auto`` takes the copy engines for a GPU group
+of two ranks (the case measured; ``symmetric-memory`` forces them at any size) on one host
+whose GPUs reach each other (``torch.cuda.can_device_access_peer``; ranks that see their
+peer under the same device index, one GPU per process, are not taken to), unless
+``NCCL_P2P_DISABLE=1`` says peer links are not to be used; the ranks agree on it once per
+group (collective: a gather of host names and device indices, a MIN all-reduce of the
+verdicts), so they all take the same transport. A barrier that waits longer than
+:data:`BARRIER_TIMEOUT_MS` (a rank gone) stops the kernel with an error instead of hanging. CPU groups (gloo) always use ``start_p2p``. Measured over NVLink
 (2 x H100): the two-pass ring's layer blocks and MLP blocks ran faster with the copy engines
 than with NCCL in 29 of 32 paired runs, and a whole gpt3-2.7b's step went from 0.84x to
 0.94x Megatron's (BENCHMARKS.md, twenty-second session).
@@ -43,6 +47,7 @@ from ds_stpar.errors import ConfigError
 
 TRANSPORTS = ("auto", "nccl", "symmetric-memory")
 _ALIGN = 256  # bytes between tensors in the buffer
+BARRIER_TIMEOUT_MS = 600_000  # NCCL's default watchdog timeout
 
 
 def _transport() -> str:
@@ -103,7 +108,7 @@ class SymmetricRing:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         arrivals = []
         with torch.cuda.stream(self.stream):
-            self._handle.barrier(channel=0)
+            self._handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
             for tensor, size in zip(tensors, sizes, strict=True):
                 self._view(self.left, offset, tensor).copy_(tensor)
                 arrivals.append(self._view(self.group.rank(), offset, tensor))
@@ -114,7 +119,7 @@ class SymmetricRing:
 
     def finish(self) -> None:
         with torch.cuda.stream(self.stream):
-            self._handle.barrier(channel=1)
+            self._handle.barrier(channel=1, timeout_ms=BARRIER_TIMEOUT_MS)
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
 
@@ -136,8 +141,9 @@ _CHOSEN: dict[tuple, bool] = {}  # (group, device) -> copy engines, decided once
 
 def peer_links(group, device: torch.device) -> bool:
     """Whether every rank of ``group`` can push into its left neighbour's GPU memory: one
-    host, peer access, ``NCCL_P2P_DISABLE`` not 1, symmetric memory in this PyTorch. Collective
-    over ``group`` (all ranks get the same answer)."""
+    host, another device index with peer access (the same index on two ranks means each
+    process sees one GPU, whose peer it cannot check), ``NCCL_P2P_DISABLE`` not 1, symmetric
+    memory in this PyTorch. Collective over ``group`` (all ranks get the same answer)."""
     import socket
 
     import torch.distributed as dist
@@ -155,7 +161,8 @@ def peer_links(group, device: torch.device) -> bool:
         usable
         and os.environ.get("NCCL_P2P_DISABLE") != "1"
         and all(host == socket.gethostname() for host, _ in places)
-        and (left_index == device.index or torch.cuda.can_device_access_peer(device, left_index))
+        and left_index != device.index
+        and torch.cuda.can_device_access_peer(device, left_index)
     )
     verdict = torch.tensor([int(usable)], device=device)
     dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=group)
@@ -165,12 +172,13 @@ def peer_links(group, device: torch.device) -> bool:
 def symmetric_ring(group, device: torch.device) -> SymmetricRing | None:
     """The group's :class:`SymmetricRing` on ``device`` when the copy engines carry its hops
     (module docstring: ``DS_STPAR_RING_TRANSPORT``); None when ``start_p2p`` does (CPU groups,
-    ``nccl``, or ``auto`` without peer links)."""
+    ``nccl``, or ``auto`` for more than two ranks or without peer links)."""
     if TRANSPORT == "nccl" or device.type != "cuda" or group.size() < 2:
         return None
     key = (group, device)
     if key not in _CHOSEN:
-        _CHOSEN[key] = TRANSPORT == "symmetric-memory" or peer_links(group, device)
+        forced = TRANSPORT == "symmetric-memory"
+        _CHOSEN[key] = forced or (group.size() == 2 and peer_links(group, device))
     if not _CHOSEN[key]:
         return None
     if key not in _RINGS:
