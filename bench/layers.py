@@ -284,9 +284,8 @@ class Row:
     note: str = ""
     times_ms: list[float] = field(default_factory=list)
     memory_trace: dict | None = None  # --memory-trace: rank 0's peak by source line
-    ring_transport: str | None = (
-        None  # ring variants: "copy engines" or "nccl" (layers/symmetric.py)
-    )
+    # ring variants: "copy engines" or "nccl" (ds_stpar/layers/symmetric.py)
+    ring_transport: str | None = None
 
 
 def finish_rows(rows: list[Row], flops: float) -> None:

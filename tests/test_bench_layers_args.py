@@ -10,13 +10,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import layers  # noqa: E402
 
 
+def _refusal(capsys, argv: list[str]) -> str:
+    """What parse_args writes to stderr when it refuses ``argv`` (exit code 2, argparse's)."""
+    with pytest.raises(SystemExit) as exit_info:
+        layers.parse_args(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
 def test_memory_trace_needs_a_gpu(capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(SystemExit) as exit_info:
-        layers.parse_args(["--cpu", "--memory-trace"])
-    assert exit_info.value.code == 2
-    assert "--memory-trace reads the CUDA allocator's history: not with --cpu" in (
-        capsys.readouterr().err
+    assert "--memory-trace reads the CUDA allocator's history: not with --cpu" in _refusal(
+        capsys, ["--cpu", "--memory-trace"]
     )
     assert layers.parse_args(
         ["--cpu", "--hidden", "64", "--head-dim", "16", "--tokens", "64", "--seq", "32"]
@@ -26,19 +31,14 @@ def test_memory_trace_needs_a_gpu(capsys, monkeypatch):
 def test_trace_dir_needs_a_gpu(capsys, monkeypatch):
     # before: every variant failed mid-run with torch.profiler's "No activities specified"
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(SystemExit) as exit_info:
-        layers.parse_args(["--cpu", "--trace-dir", "/tmp/t"])
-    assert exit_info.value.code == 2
-    assert "--trace-dir records GPU activity: not with --cpu" in capsys.readouterr().err
+    refusal = _refusal(capsys, ["--cpu", "--trace-dir", "/tmp/t"])
+    assert "--trace-dir records GPU activity: not with --cpu" in refusal
     assert layers.parse_args(["--cpu", "--host-trace", "/tmp/t"]).host_trace == "/tmp/t"
 
 
 def test_layers_must_be_positive(capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(SystemExit) as exit_info:
-        layers.parse_args(["--cpu", "--layers", "0"])
-    assert exit_info.value.code == 2
-    assert "--layers must be >= 1" in capsys.readouterr().err
+    assert "--layers must be >= 1" in _refusal(capsys, ["--cpu", "--layers", "0"])
     cases = layers.parse_args(["--cpu", "--layers", "4", "--cases", "mlp,layer"]).case_list
     assert {(c.block, c.layers, c.name) for c in cases} == {
         ("mlp", 1, "mlp"),

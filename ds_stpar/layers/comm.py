@@ -273,14 +273,14 @@ def ring_pass(
                 chunk = received.pop(0)
             if partial is not None:
                 total.add_(received.pop(0))  # partial() gave a fresh tensor: sum in place
-        if step < size - 1 and rotate is None:
+        if step == 0 and rotate is None:  # an accumulator only: its device known now
             symmetric = symmetric_ring(group, total.device)
         if step < size - 1 and symmetric is not None:
             sent = ([chunk] if rotate is not None else []) + (
                 [total] if partial is not None else []
             )
             pending = symmetric.start([t.contiguous() for t in sent])
-            _bound_in_flight(total.device if rotate is None else chunk.device)
+            _bound_in_flight(symmetric.device)
         elif step < size - 1:
             sends, recvs = [], []
             if rotate is not None:
