@@ -1235,6 +1235,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     if args.memory_trace and args.cpu:
         parser.error("--memory-trace reads the CUDA allocator's history: not with --cpu")
+    if args.sm_carveout is not None and (args.cpu or args.sm_carveout < 0):
+        parser.error("--sm-carveout leaves N >= 0 of a GPU's SMs to the transfers: not with --cpu")
     if args.trace_dir and args.cpu:
         parser.error(
             "--trace-dir records GPU activity: not with --cpu (--host-trace records the host's)"

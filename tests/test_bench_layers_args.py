@@ -44,3 +44,11 @@ def test_layers_must_be_positive(capsys, monkeypatch):
         ("mlp", 1, "mlp"),
         ("layer", 4, "layer x4"),
     }
+
+
+def test_sm_carveout_needs_a_gpu_and_a_count(capsys, monkeypatch):
+    # torch._C._set_sm_carveout_experimental(-1) is accepted as is (checked on torch 2.13)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for argv in (["--cpu", "--sm-carveout", "8"], ["--sm-carveout", "-1"]):
+        assert "--sm-carveout leaves N >= 0" in _refusal(capsys, argv)
+    assert layers.parse_args(["--sm-carveout", "8"]).sm_carveout == 8
