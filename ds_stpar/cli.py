@@ -662,17 +662,22 @@ def profile_command_parser(subparsers=None) -> argparse.ArgumentParser:
 
 
 def profile_summary(profile) -> str:
-    """One line: the best GEMM and each measured collective's bus bandwidth at the largest
-    group."""
+    """One line: the best GEMM, each measured collective's bus bandwidth at the largest
+    group and, with collectives, whether the ring's hops can go by the copy engines."""
     best = max((row[3] for row in profile.gemm), default=0.0)
     links = [
         f"{name} {table[max(table)]:.0f} GB/s over {max(table)}"
         for name, table in profile.bus_bandwidth_gbs.items()
         if table
     ]
+    peer = ""
+    if links:
+        peer = "; peer copies (the ring's copy engines): " + (
+            "yes" if profile.peer_copies else "no"
+        )
     return (
         f"{profile.gpu}: best bf16 GEMM {best:.0f} TFLOP/s over {len(profile.gemm)} shapes; "
-        f"collectives: {', '.join(links) or 'none (single process)'}"
+        f"collectives: {', '.join(links) or 'none (single process)'}{peer}"
     )
 
 

@@ -28,6 +28,8 @@ TP_MODES = ("megatron", "ring", "cannon")
 RECOMPUTE_MODES = ("none", "selective", "full")
 DTYPES = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "adam", "sgd")
+#: what carries the ring's hops (DS_STPAR_RING_TRANSPORT, ds_stpar/layers/symmetric.py)
+RING_TRANSPORTS = ("auto", "nccl", "symmetric-memory")
 GiB = 1024**3
 
 

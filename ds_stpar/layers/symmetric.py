@@ -43,9 +43,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ds_stpar.config import RING_TRANSPORTS as TRANSPORTS
 from ds_stpar.errors import ConfigError
 
-TRANSPORTS = ("auto", "nccl", "symmetric-memory")
 _ALIGN = 256  # bytes between tensors in the buffer
 BARRIER_TIMEOUT_MS = 600_000  # NCCL's default watchdog timeout
 

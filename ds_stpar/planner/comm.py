@@ -103,6 +103,20 @@ def tp_in_node(layout: Layout, cluster: ClusterSpec) -> bool:
     return layout.tp <= node and node % layout.tp == 0
 
 
+def ring_copy_engines(layout: Layout, cluster: ClusterSpec, transport: str) -> bool:
+    """Whether the GPUs' copy engines carry the ring linears' hops, as ``transport``
+    (``DS_STPAR_RING_TRANSPORT``) picks them on the machines (``layers/symmetric.py``):
+    ``symmetric-memory`` always, ``nccl`` never, ``auto`` for a TP group of 2 inside a node
+    whose GPUs reach each other's memory (the profile's ``peer_copies``; nodes without a
+    profile are taken to)."""
+    if layout.tp < 2 or transport == "nccl":
+        return False
+    if transport == "symmetric-memory":
+        return True
+    peer = cluster.profile.peer_copies if cluster.profile is not None else True
+    return layout.tp == 2 and tp_in_node(layout, cluster) and peer
+
+
 def placement(layout: Layout, cluster: ClusterSpec) -> Placement:
     """Links of the TP, DP and PP groups of ``layout`` on ``cluster``."""
     node = cluster.node_size

@@ -48,7 +48,7 @@ from ds_stpar.config import (
 )
 from ds_stpar.errors import ConfigError
 from ds_stpar.planner import memory as mem
-from ds_stpar.planner.comm import Placement, placement
+from ds_stpar.planner.comm import Placement, placement, ring_copy_engines
 from ds_stpar.planner.compute import (
     Phase,
     Speed,
@@ -146,6 +146,9 @@ class Estimate:
     ``micro_batches``: m per step; ``peak_stage``: the pipeline stage of the peak;
     ``tp_collectives_s``: raw seconds per step of each TP collective kind on the first stage's
     blocks (all_reduce / all_gather / reduce_scatter / p2p / all_to_all), before any overlap.
+    ``ring_hops``: what the estimate takes to carry the ring linears' or Cannon's neighbour
+    hops, ``"copy engines"`` or ``"nccl"`` (:func:`~ds_stpar.planner.comm.ring_copy_engines`;
+    the interleaved layer and Megatron's layouts have none: ``""``).
     """
 
     strategy: Strategy
@@ -166,6 +169,7 @@ class Estimate:
     peak_stage: int = 0
     tp_collectives_s: dict[str, float] = field(default_factory=dict)
     stack: str = "fused"  # the calibration's software stack the figures are for
+    ring_hops: str = ""
 
     def to_dict(self) -> dict:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -229,6 +233,8 @@ class _Context:
         self.layers = stage_layers(model.num_layers, strategy)
         self.sharded = sharded_boundary(self.t, self.mode, strategy.sequence_parallel)
         self.links: Placement = placement(layout, ev.cluster)
+        #: the ring linears' hops go by the copy engines (layers/symmetric.py)
+        self.copy_engines = ring_copy_engines(layout, ev.cluster, ev.cal.ring_transport)
         self.speed = ev.speed
         #: the MLP runs as one fused ring pass (layers/ring_mlp.py)
         self.fused_mlp = strategy.runs_fused_ring_mlp
@@ -291,9 +297,10 @@ def block_tp(ctx: _Context) -> BlockTP:
             t,
             ctx.links.tp_p2p,
             speed,
-            cal.ring_hop_overlap,
+            cal.ring_overlap(ctx.copy_engines),
             ctx.fused_mlp,
             ctx.two_pass_mlp,
+            mlp_overlap=cal.ring_hop_overlap,
         )
     if ctx.mode == "cannon":
         return cannon_block(model, ctx.tokens, t, ctx.links.tp_p2p, speed, cal.ring_hop_overlap)
@@ -740,7 +747,8 @@ def block_key(ctx: _Context) -> tuple:
     """What one block's cost depends on beyond the evaluator's model, train and calibration:
     the strategy less its data-parallel, pipeline, ZeRO and block-recompute knobs (every
     per-layer switch, such as the ring's MLP form or the interleaved layer, follows from the
-    rest and the model) and the TP links the layout is placed on."""
+    rest and the model), the TP links the layout is placed on and what carries its ring's
+    hops."""
     s = ctx.strategy
     layer = dataclasses.replace(
         s,
@@ -751,7 +759,7 @@ def block_key(ctx: _Context) -> tuple:
         last_stage_layers=0,
         recompute_layers=0,
     )
-    return layer, ctx.links.tp, ctx.links.tp_p2p
+    return layer, ctx.links.tp, ctx.links.tp_p2p, ctx.copy_engines
 
 
 class Evaluator:
@@ -846,7 +854,15 @@ class Evaluator:
             peak_stage=peak_stage,
             tp_collectives_s={k: ctx.m * ctx.layers[0] * v for k, v in block.collectives.items()},
             stack=self.cal.stack,
+            ring_hops=ring_hops(ctx),
         )
+
+
+def ring_hops(ctx: _Context) -> str:
+    """What carries the layout's neighbour hops (:attr:`Estimate.ring_hops`)."""
+    if ctx.mode == "ring" and not ctx.interleave:
+        return "copy engines" if ctx.copy_engines else "nccl"
+    return "nccl" if ctx.mode == "cannon" else ""
 
 
 def estimate(

@@ -835,6 +835,13 @@ def bucketed_deepspeed_config(
     )
 
 
+def hops_note(est: Estimate) -> str:
+    """``, ring hops by the copy engines`` (or by NCCL) where the estimate has ring hops: the
+    transport it assumed, which ``DS_STPAR_RING_TRANSPORT`` on the GPUs must leave it."""
+    names = {"nccl": "NCCL", "copy engines": "the copy engines"}
+    return f", ring hops by {names[est.ring_hops]}" if est.ring_hops else ""
+
+
 def plan_files(
     result: SearchResult | Sequence[Estimate],
     model: ModelSpec,
@@ -888,6 +895,8 @@ def plan_files(
             for key in ("step_time_s", "tokens_per_s", "mfu", "hfu", "peak_memory_gib")
         }
         predicted["stack"] = loop.stack
+        if loop.ring_hops:  # the transport the estimate assumed (DS_STPAR_RING_TRANSPORT)
+            predicted["ring_hops"] = loop.ring_hops
         ds = deepspeed_config(
             model,
             cluster,
@@ -898,8 +907,8 @@ def plan_files(
         )
         ds_label = (
             f"{loop.strategy.short()} (DeepSpeed): {loop.step_time_s:.3f} s, "
-            f"{loop.peak_memory_gib:.1f} GiB for the {loop.stack} stack, {LOOP_RULE}"
-            + (", ranked 1" if loop.strategy == best.strategy else "")
+            f"{loop.peak_memory_gib:.1f} GiB for the {loop.stack} stack{hops_note(loop)}, "
+            f"{LOOP_RULE}" + (", ranked 1" if loop.strategy == best.strategy else "")
         )
     mega = megatron_estimate(
         model, cluster, train, tp_modes, allow_tp_across_nodes=allow_tp_across_nodes
@@ -913,7 +922,7 @@ def plan_files(
         (
             "megatron_args.txt",
             f"{mega.strategy.short()} (Megatron-LM: ZeRO <= 1, fp32 main grads): "
-            f"{mega.step_time_s:.3f} s, {mega.peak_memory_gib:.1f} GiB"
+            f"{mega.step_time_s:.3f} s, {mega.peak_memory_gib:.1f} GiB{hops_note(mega)}"
             + ("" if mega.fits else " - does NOT fit"),
         ),
     ]

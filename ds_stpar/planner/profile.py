@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-from ds_stpar.config import GPU_PRESETS, read_json
+from ds_stpar.config import GPU_PRESETS, RING_TRANSPORTS, read_json
 from ds_stpar.errors import ConfigError, StparError
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
@@ -63,7 +63,8 @@ class Calibration:
     Overlap: ``overlap_fraction`` is the share of a concurrent GEMM's time that hides NCCL
     communication (DP reduction behind backward, Megatron's async TP backward);
     ``ring_hop_overlap`` the share of a ring/Cannon neighbour hop hidden behind its step's
-    sub-GEMM; ``ring_mlp_pass_s`` the least exposed time of one fused ring MLP pass (what
+    sub-GEMM when NCCL carries it, ``ring_hop_overlap_copy_engines`` when the GPUs' copy
+    engines do (``layers/symmetric.py``; 0: ``ring_hop_overlap``); ``ring_mlp_pass_s`` the least exposed time of one fused ring MLP pass (what
     the pass loses to stream waits and partial-sum bookkeeping even where its hops hide).
 
     Software stack (``stack``, :data:`STACKS`): ``"fused"`` is the stack of the published
@@ -99,7 +100,11 @@ class Calibration:
     linears with the GEMMs, needs CUDA_DEVICE_MAX_CONNECTIONS=1), ``grad_bytes`` (bytes
     per gradient element, 2 for bf16/fp16 gradients as DeepSpeed keeps them and planner.md
     counts them; 4 for Megatron's fp32 main grads), ``dp_bucket_elements`` (DeepSpeed's
-    reduce/all-gather bucket; planner/emit.py writes the same).
+    reduce/all-gather bucket; planner/emit.py writes the same), ``ring_transport`` (what
+    ``DS_STPAR_RING_TRANSPORT`` says on the GPUs: ``auto`` lets the copy engines carry the
+    ring linears' hops for a TP group of 2 in one node whose GPUs reach each other's memory,
+    :attr:`Profile.peer_copies`; ``nccl`` and ``symmetric-memory`` force either; the fused
+    ring MLP's and Cannon's hops stay NCCL's).
     """
 
     gemm_peak_fraction: float = 0.8
@@ -109,6 +114,7 @@ class Calibration:
     flash_fraction: float = 0.45
     flash_fraction_other_dims: float = 0.0
     ring_hop_overlap: float = 0.25
+    ring_hop_overlap_copy_engines: float = 0.0
     overlap_fraction: float = 0.8
     overlap_grad_reduce: bool = True
     tp_async_backward: bool = True
@@ -124,10 +130,16 @@ class Calibration:
     host_op_s: float = 0.0
     host_interleave_piece_s: float = 0.0
     ring_mlp_pass_s: float = 0.0
+    ring_transport: str = "auto"
 
     def __post_init__(self) -> None:
         if self.stack not in STACKS:
             raise ConfigError(f"calibration stack must be one of {STACKS}, got {self.stack!r}")
+        if self.ring_transport not in RING_TRANSPORTS:
+            raise ConfigError(
+                f"calibration ring_transport must be one of {RING_TRANSPORTS}, "
+                f"got {self.ring_transport!r}"
+            )
         for name in (*HOST_FIELDS, "ring_mlp_pass_s"):  # seconds
             if getattr(self, name) < 0:
                 raise ConfigError(f"calibration {name} must be >= 0, got {getattr(self, name)}")
@@ -142,6 +154,7 @@ class Calibration:
                 raise ConfigError(f"calibration {name} must be in (0, 1], got {value}")
         for name in (
             "ring_hop_overlap",
+            "ring_hop_overlap_copy_engines",
             "overlap_fraction",
             "allocator_fraction",
             "flash_fraction_other_dims",
@@ -158,6 +171,12 @@ class Calibration:
     def local(self) -> bool:
         """Whether this is megatron-core's local (unfused, host-heavy) stack."""
         return self.stack == LOCAL_STACK
+
+    def ring_overlap(self, copy_engines: bool) -> float:
+        """The share of a ring linear's hop hidden behind its sub-GEMM, by its transport."""
+        if copy_engines and self.ring_hop_overlap_copy_engines:
+            return self.ring_hop_overlap_copy_engines
+        return self.ring_hop_overlap
 
     def gemm_efficiency(self, m: float, n: float, k: float) -> float:
         """Fraction of peak a (m x k) @ (k x n) GEMM reaches, compute-bound part only."""
@@ -223,12 +242,16 @@ class Profile:
     ``gemm``: rows ``(m, n, k, tflops)`` of achieved bf16 TFLOP/s for an (m x k) @ (k x n)
     product. ``bus_bandwidth_gbs[collective][n]``: nccl-tests bus bandwidth in GB/s of a
     collective over ``n`` GPUs of one node (``p2p``: plain bandwidth between two GPUs).
+    ``peer_copies``: whether a GPU of a node can copy into another's memory (CUDA peer access,
+    ``NCCL_P2P_DISABLE`` not 1), where the ring's ``auto`` transport takes the copy engines;
+    true when not measured (NVLink nodes).
     """
 
     gpu: str
     peak_tflops: float = 0.0
     gemm: list[tuple[int, int, int, float]] = field(default_factory=list)
     bus_bandwidth_gbs: dict[str, dict[int, float]] = field(default_factory=dict)
+    peer_copies: bool = True
 
     # ---- lookups used by the cost model ------------------------------------------------
     def gemm_tflops(self, m: float, n: float, k: float) -> float | None:
@@ -283,6 +306,7 @@ class Profile:
                 name: {str(size): bw for size, bw in sorted(table.items())}
                 for name, table in self.bus_bandwidth_gbs.items()
             },
+            "peer_copies": self.peer_copies,
         }
 
     def to_json(self, path: str | os.PathLike) -> None:
@@ -308,7 +332,10 @@ class Profile:
                 peak_tflops=float(data.get("peak_tflops", 0.0)),
                 gemm=gemm,
                 bus_bandwidth_gbs=busbw,
+                peer_copies=data.get("peer_copies", True),
             )
+            if not isinstance(profile.peer_copies, bool):
+                raise TypeError(f"peer_copies must be true or false, got {profile.peer_copies!r}")
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise ConfigError(f"{where}: malformed profile ({type(err).__name__}: {err})") from None
         profile._validate(where)
@@ -329,7 +356,7 @@ class Profile:
         want of separate figures; each less the per-step ``latency_s`` the cost model adds
         back, median over the cases (a case whose timings leave no positive time for the
         transfer, run-to-run noise when the GEMM alone timed slower, is skipped). Entered for
-        group size ``P``."""
+        group size ``P``. Peer copies unless the run's ``env`` had ``NCCL_P2P_DISABLE=1``."""
         try:
             world = int(data.get("world", 2))
             cases = data["ring_overlap"]["cases"]
@@ -348,7 +375,9 @@ class Profile:
             raise ConfigError("layers benchmark: ring_overlap cases give no positive bandwidth")
         busbw = statistics.median(gather)
         table = {name: {world: busbw} for name in ("all_reduce", "all_gather", "reduce_scatter")}
-        return cls(gpu, bus_bandwidth_gbs={**table, "p2p": {world: statistics.median(p2p)}})
+        peer = (data.get("env") or {}).get("NCCL_P2P_DISABLE") != "1"
+        p2p_table = {"p2p": {world: statistics.median(p2p)}}
+        return cls(gpu, bus_bandwidth_gbs={**table, **p2p_table}, peer_copies=peer)
 
     def _validate(self, where: str) -> None:
         unknown = sorted(set(self.bus_bandwidth_gbs) - set(COLLECTIVES))
@@ -505,4 +534,18 @@ def measure(device: Any = None) -> Profile:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         profile.bus_bandwidth_gbs = _measure_collectives(torch, device)
+        profile.peer_copies = _peer_copies(torch, device)
     return profile
+
+
+def _peer_copies(torch: Any, device: Any) -> bool:
+    """Whether ranks 0 and 1 reach each other's GPU memory as the ring's ``auto`` transport
+    asks (``layers.symmetric.peer_links``), told to every rank."""
+    from ds_stpar.layers.symmetric import peer_links
+
+    dist = torch.distributed
+    pair = dist.new_group([0, 1])  # collective: every rank creates it
+    reached = peer_links(pair, device) if dist.get_rank() < 2 else False
+    verdict = torch.tensor([int(reached)], device=device)
+    dist.broadcast(verdict, src=0)
+    return bool(verdict.item())
