@@ -209,11 +209,11 @@ def test_ring_transport_auto_takes_copy_engines_over_peer_links(monkeypatch, p2p
     not torch.cuda.is_available() or torch.cuda.device_count() < 4,
     reason="needs 4 CUDA GPUs with peer access (CI has none)",
 )
-@pytest.mark.parametrize("transport", ["symmetric-memory", "auto"])
+@pytest.mark.parametrize("transport", ["symmetric-memory", "auto", "nccl"])
 def test_four_rank_ring_by_copy_engines_and_auto(monkeypatch, transport) -> None:
     """P = 4: the copy engines' buffer holds two batches in turn (a step sends on the chunk
-    that arrived in the previous one while the next arrives), over 12 rounds; ``auto`` leaves
-    groups of more than two ranks to NCCL (no buffer)."""
+    that arrived in the previous one while the next arrives), over 12 rounds; ``auto`` takes
+    them over peer links at any group size."""
     monkeypatch.setenv("DS_STPAR_RING_TRANSPORT", transport)
     monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
-    run_workers(_worker, 4, "cuda", transport == "symmetric-memory", backend="nccl")
+    run_workers(_worker, 4, "cuda", transport != "nccl", backend="nccl")

@@ -23,16 +23,18 @@ caching allocator: it is not in ``torch.cuda.max_memory_allocated``, and
 Which transport: ``DS_STPAR_RING_TRANSPORT`` = ``auto`` (default), ``nccl`` or
 ``symmetric-memory``, the same on every rank (as NCCL's own variables: ranks that disagree
 wait for each other at the first ring pass). ``auto`` takes the copy engines for a GPU group
-of two ranks (the case measured; ``symmetric-memory`` forces them at any size) on one host
-whose GPUs reach each other (``torch.cuda.can_device_access_peer``; ranks that see their
+on one host whose GPUs reach each other (``torch.cuda.can_device_access_peer``; ranks that see their
 peer under the same device index, one GPU per process, are not taken to), unless
 ``NCCL_P2P_DISABLE=1`` says peer links are not to be used; the ranks agree on it once per
 group (collective: a gather of host names and device indices, a MIN all-reduce of the
 verdicts), so they all take the same transport. A barrier that waits longer than
-:data:`BARRIER_TIMEOUT_MS` (a rank gone) stops the kernel with an error instead of hanging. CPU groups (gloo) always use ``start_p2p``. Measured over NVLink
-(2 x H100): the two-pass ring's layer blocks and MLP blocks ran faster with the copy engines
-than with NCCL in 29 of 32 paired runs, and a whole gpt3-2.7b's step went from 0.84x to
-0.94x Megatron's (BENCHMARKS.md, twenty-second session).
+:data:`BARRIER_TIMEOUT_MS` (a rank gone) stops the kernel with an error instead of hanging.
+CPU groups (gloo) always use ``start_p2p``. Measured over NVLink: on 2 x H100 the two-pass
+ring's layer blocks and MLP blocks ran faster with the copy engines than with NCCL in 29 of
+32 paired runs, and a whole gpt3-2.7b's step went from 0.84x to 0.94x Megatron's
+(twenty-second session); on 4 x H100 its blocks of 4 layers ran 0.98-1.14x Megatron TP4+SP
+with them against 0.77-0.97x with NCCL (twenty-third session; BENCHMARKS.md). Groups of more
+than four ranks have not been measured.
 """
 
 from __future__ import annotations
@@ -172,13 +174,13 @@ def peer_links(group, device: torch.device) -> bool:
 def symmetric_ring(group, device: torch.device) -> SymmetricRing | None:
     """The group's :class:`SymmetricRing` on ``device`` when the copy engines carry its hops
     (module docstring: ``DS_STPAR_RING_TRANSPORT``); None when ``start_p2p`` does (CPU groups,
-    ``nccl``, or ``auto`` for more than two ranks or without peer links)."""
+    ``nccl``, or ``auto`` without peer links)."""
     if TRANSPORT == "nccl" or device.type != "cuda" or group.size() < 2:
         return None
     key = (group, device)
     if key not in _CHOSEN:
         forced = TRANSPORT == "symmetric-memory"
-        _CHOSEN[key] = forced or (group.size() == 2 and peer_links(group, device))
+        _CHOSEN[key] = forced or peer_links(group, device)
     if not _CHOSEN[key]:
         return None
     if key not in _RINGS:

@@ -106,15 +106,15 @@ def tp_in_node(layout: Layout, cluster: ClusterSpec) -> bool:
 def ring_copy_engines(layout: Layout, cluster: ClusterSpec, transport: str) -> bool:
     """Whether the GPUs' copy engines carry the ring linears' hops, as ``transport``
     (``DS_STPAR_RING_TRANSPORT``) picks them on the machines (``layers/symmetric.py``):
-    ``symmetric-memory`` always, ``nccl`` never, ``auto`` for a TP group of 2 inside a node
-    whose GPUs reach each other's memory (the profile's ``peer_copies``; nodes without a
-    profile are taken to)."""
+    ``symmetric-memory`` always, ``nccl`` never, ``auto`` for a TP group inside a node whose
+    GPUs reach each other's memory (the profile's ``peer_copies``; nodes without a profile
+    are taken to)."""
     if layout.tp < 2 or transport == "nccl":
         return False
     if transport == "symmetric-memory":
         return True
     peer = cluster.profile.peer_copies if cluster.profile is not None else True
-    return layout.tp == 2 and tp_in_node(layout, cluster) and peer
+    return tp_in_node(layout, cluster) and peer
 
 
 def placement(layout: Layout, cluster: ClusterSpec) -> Placement:

@@ -102,7 +102,7 @@ class Calibration:
     counts them; 4 for Megatron's fp32 main grads), ``dp_bucket_elements`` (DeepSpeed's
     reduce/all-gather bucket; planner/emit.py writes the same), ``ring_transport`` (what
     ``DS_STPAR_RING_TRANSPORT`` says on the GPUs: ``auto`` lets the copy engines carry the
-    ring linears' hops for a TP group of 2 in one node whose GPUs reach each other's memory,
+    ring linears' hops for a TP group in one node whose GPUs reach each other's memory,
     :attr:`Profile.peer_copies`; ``nccl`` and ``symmetric-memory`` force either; the fused
     ring MLP's and Cannon's hops stay NCCL's).
     """
