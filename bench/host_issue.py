@@ -1,4 +1,4 @@
-"""Host time to issue one neighbour exchange on NCCL, per way of issuing it.
+"""Host time to issue one neighbour exchange, per way of issuing it.
 
     torchrun --nproc_per_node 2 bench/host_issue.py [--iters 2000] [--numel 4096]
 
@@ -17,7 +17,10 @@ eighteenth session (the side stream waits for the compute stream, and back):
 - ``all_to_all_single``: one collective with splits that send only to the neighbour, side
   stream;
 - ``all_gather_into_tensor``: the P = 2 exchange as a gather (its output holds both chunks),
-  side stream.
+  side stream;
+- ``copy engines``: the ring's batch by the copy engines (``layers.symmetric.SymmetricRing``:
+  the push into the left neighbour's symmetric buffer between two barriers, side stream), the
+  path ``DS_STPAR_RING_TRANSPORT=auto`` takes over peer links.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ds_stpar.layers.comm import Message, _coalesced_batch, _p2p_ops, _side_stream, start_p2p
+from ds_stpar.layers.symmetric import SymmetricRing
 
 
 def main() -> None:
@@ -89,6 +93,8 @@ def main() -> None:
     }
     if size == 2:
         ways["all_gather_into_tensor"] = on_side(all_gather)
+    ring = SymmetricRing(group, device)
+    ways["copy engines"] = lambda: ring.start([send]).wait()
     results = {}
     for name, run in ways.items():
         rounds = []

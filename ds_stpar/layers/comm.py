@@ -227,7 +227,7 @@ def _bound_in_flight(device: torch.device) -> None:
     if MAX_IN_FLIGHT > 0:
         if device not in _LIMITS:
             _LIMITS[device] = InFlightLimit(MAX_IN_FLIGHT)
-        _LIMITS[device].add(torch.cuda.current_stream(device).record_event())
+        _LIMITS[device].add(torch.cuda.current_stream(device.index).record_event())
 
 
 def ring_pass(

@@ -69,7 +69,11 @@ class SymmetricRing:
 
     def __init__(self, group, device: torch.device) -> None:
         self.group, self.device = group, device
-        self.left = (group.rank() - 1) % group.size()
+        # the stream switches take the index, not the device: torch.cuda's lookup of a
+        # device's index costs the host microseconds a call (twenty-third session, call 132)
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.rank = group.rank()
+        self.left = (self.rank - 1) % group.size()
         self.parities = 2 if group.size() > 2 else 1
         self.stream = torch.cuda.Stream(device)
         self.capacity = 0  # bytes per parity
@@ -107,22 +111,30 @@ class SymmetricRing:
         self._reserve(sum(sizes))
         offset = (self._batches % self.parities) * self.capacity
         self._batches += 1
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        compute = torch.cuda.current_stream(self.index)
+        self.stream.wait_stream(compute)
         arrivals = []
-        with torch.cuda.stream(self.stream):
+        torch.cuda.set_stream(self.stream)
+        try:
             self._handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
             for tensor, size in zip(tensors, sizes, strict=True):
                 self._view(self.left, offset, tensor).copy_(tensor)
-                arrivals.append(self._view(self.group.rank(), offset, tensor))
+                arrivals.append(self._view(self.rank, offset, tensor))
                 offset += size
+        finally:
+            torch.cuda.set_stream(compute)
         for tensor in tensors:
             tensor.record_stream(self.stream)
         return SymmetricBatch(self, arrivals)
 
     def finish(self) -> None:
-        with torch.cuda.stream(self.stream):
+        compute = torch.cuda.current_stream(self.index)
+        torch.cuda.set_stream(self.stream)
+        try:
             self._handle.barrier(channel=1, timeout_ms=BARRIER_TIMEOUT_MS)
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        finally:
+            torch.cuda.set_stream(compute)
+        compute.wait_stream(self.stream)
 
 
 class SymmetricBatch:
