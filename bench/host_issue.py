@@ -20,7 +20,7 @@ eighteenth session (the side stream waits for the compute stream, and back):
   side stream;
 - ``copy engines``: the ring's batch by the copy engines (``layers.symmetric.SymmetricRing``:
   the push into the left neighbour's symmetric buffer between two barriers, side stream), the
-  path ``DS_STPAR_RING_TRANSPORT=auto`` takes over peer links.
+  path ``DS_STPAR_RING_TRANSPORT=auto`` takes over peer links (left out without them).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ds_stpar.layers.comm import Message, _coalesced_batch, _p2p_ops, _side_stream, start_p2p
-from ds_stpar.layers.symmetric import SymmetricRing
+from ds_stpar.layers.symmetric import SymmetricRing, peer_links
 
 
 def main() -> None:
@@ -93,8 +93,9 @@ def main() -> None:
     }
     if size == 2:
         ways["all_gather_into_tensor"] = on_side(all_gather)
-    ring = SymmetricRing(group, device)
-    ways["copy engines"] = lambda: ring.start([send]).wait()
+    if peer_links(group, device):  # where DS_STPAR_RING_TRANSPORT=auto would take them
+        ring = SymmetricRing(group, device)
+        ways["copy engines"] = lambda: ring.start([send]).wait()
     results = {}
     for name, run in ways.items():
         rounds = []

@@ -973,7 +973,7 @@ def test_four_rank_copy_engine_blocks_where_the_gpu_sets_the_pace():
     # two-pass ring by the copy engines against Megatron TP4+SP in the same run, links from
     # `ds-stpar profile` on the same machine (call 130). Where the GPU sets the pace (h 8192,
     # and h 4096 at 32K tokens) the planner's ring/Megatron ratio (1.0 of each hop hidden)
-    # comes within 4% of the measured one (1.06-1.14x; it is 1-4% optimistic). At h 4096
+    # comes within 4% of the measured one (1.06-1.14x; -1% to +4%). At h 4096
     # with 8K and 16K tokens (2K and 4K rows per rank) the ring's step is the host's: the
     # blocks ran 0.56x and 0.98-1.02x, which a block's GPU time cannot say (the whole-model
     # estimate adds host time: below).
@@ -1017,9 +1017,10 @@ def test_four_rank_copy_engine_blocks_where_the_gpu_sets_the_pace():
 def test_four_rank_whole_model_ranks_megatron_first_as_measured():
     # gpt3-2.7b at TP4, one 8192-token sequence per micro-batch (call 131, 4 x H100): Megatron
     # 1.354 s a step, the two-pass ring 3.043 s with the copy engines (3.434 s with NCCL):
-    # 2K rows per rank, host-bound. The planner ranks Megatron first; its ring estimate,
-    # 3.75 s, is the host's at 0.40 ms per hop (read off NCCL at TP2), 23% over the copy
-    # engines' step: recorded, not fitted (one host-bound run).
+    # 2K rows per rank, host-bound. The planner ranks Megatron first, as measured. Its ring
+    # estimate, 3.75 s, is the host's at 0.40 ms per hop (read off NCCL at TP2), whichever
+    # transport: 23% over the copy engines' step, recorded in BENCHMARKS.md and not fitted
+    # (one host-bound run), so no tolerance is asserted on it.
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -1037,7 +1038,6 @@ def test_four_rank_whole_model_ranks_megatron_first_as_measured():
     assert predicted["ring"].time_breakdown["host_bound"] > 0
     assert predicted["megatron"].step_time_s < predicted["ring"].step_time_s
     assert measured["megatron"]["step_s"] < measured["ring"]["step_s"]
-    assert predicted["ring"].step_time_s == pytest.approx(measured["ring"]["step_s"], rel=0.25)
 
 
 def test_which_layouts_send_the_rings_hops_by_the_copy_engines():
@@ -1079,11 +1079,12 @@ def test_which_layouts_send_the_rings_hops_by_the_copy_engines():
         assert estimate(model, cluster, train, other, cal).ring_hops == "", name
 
 
-def test_whole_model_with_copy_engine_hops_matches_call_127():
+def test_whole_model_ring_at_tp2_is_host_bound_as_call_127_ran():
     # gpt3-2.7b, TP2, micro-batches of 2 x 4096 tokens, over NVLink on 2 x H100 (call 127):
-    # Megatron 1.641 s a step, the two-pass ring with the copy engines 1.746 s. The planner's
-    # estimate (host-bound for the ring: its per-hop host time was read off NCCL hops) must
-    # come within 5% and rank Megatron first, as measured.
+    # Megatron 1.641 s a step, the two-pass ring with the copy engines 1.746 s. The ring's
+    # estimate is the host's (its per-hop host time was read off NCCL's hops), so the hop
+    # share does not move it; with the copy engines as the default it must still come
+    # within 5% of that run and rank Megatron first, as measured.
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))

@@ -610,6 +610,25 @@ def test_megatron_plan_uses_zero1_and_fp32_main_grads():
     assert f"peak {mega.peak_memory_gib:.1f} of" in text
 
 
+def test_megatron_args_set_the_ring_transport_the_estimate_priced():
+    # a TP2 ring on one node: priced with the copy engines, which `auto` takes there; on
+    # GPUs without peer copies the estimate priced NCCL's hops, and the file says nccl
+    from ds_stpar.planner.profile import Profile
+
+    model = ModelSpec("m", 4, 4096, 32, vocab_size=32000, max_position_embeddings=4096)
+    train = TrainSpec(4096, 8)
+    ring = Strategy(Layout(1, 2, 1, "ring"), micro_batch=4, sequence_parallel=True)
+    megatron = Strategy(Layout(1, 2, 1), micro_batch=4, sequence_parallel=True)
+    no_peers = Profile("h100-80g", peer_copies=False)
+    expected = [(ring, None, "auto"), (ring, no_peers, "nccl"), (megatron, None, None)]
+    for strategy, profile, transport in expected:
+        cluster = ClusterSpec(H100, 2, 2, profile=profile)
+        est = estimate(model, cluster, train, strategy)
+        text = emit.megatron_args_text(model, cluster, train, strategy, prediction=est)
+        lines = [line for line in text.splitlines() if line.startswith("DS_STPAR_RING_TRANSPORT=")]
+        assert lines == ([f"DS_STPAR_RING_TRANSPORT={transport}"] if transport else []), text
+
+
 # --------------------------------------------------------------------------------------
 # ds_stpar.json's layout: what the training loop runs as a home layout
 # --------------------------------------------------------------------------------------

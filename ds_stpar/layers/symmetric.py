@@ -32,8 +32,9 @@ verdicts), so they all take the same transport. A barrier that waits longer than
 CPU groups (gloo) always use ``start_p2p``. Measured over NVLink: on 2 x H100 the two-pass
 ring's layer blocks and MLP blocks ran faster with the copy engines than with NCCL in 29 of
 32 paired runs, and a whole gpt3-2.7b's step went from 0.84x to 0.94x Megatron's
-(twenty-second session); on 4 x H100 its blocks of 4 layers ran 0.98-1.14x Megatron TP4+SP
-with them against 0.77-0.97x with NCCL (twenty-third session; BENCHMARKS.md). Groups of more
+(twenty-second session); on 4 x H100 its blocks of 4 layers ran 1.06-1.14x Megatron TP4+SP
+with them where the GPU set the pace and 0.56-1.02x where the host did (h 4096, 8K and 16K
+tokens), against 0.47-0.97x with NCCL (twenty-third session; BENCHMARKS.md). Groups of more
 than four ranks have not been measured.
 """
 
@@ -114,7 +115,7 @@ class SymmetricRing:
         compute = torch.cuda.current_stream(self.index)
         self.stream.wait_stream(compute)
         arrivals = []
-        torch.cuda.set_stream(self.stream)
+        caller = self._to_side_stream()
         try:
             self._handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
             for tensor, size in zip(tensors, sizes, strict=True):
@@ -122,19 +123,33 @@ class SymmetricRing:
                 arrivals.append(self._view(self.rank, offset, tensor))
                 offset += size
         finally:
-            torch.cuda.set_stream(compute)
+            self._back(compute, caller)
         for tensor in tensors:
             tensor.record_stream(self.stream)
         return SymmetricBatch(self, arrivals)
 
     def finish(self) -> None:
         compute = torch.cuda.current_stream(self.index)
-        torch.cuda.set_stream(self.stream)
+        caller = self._to_side_stream()
         try:
             self._handle.barrier(channel=1, timeout_ms=BARRIER_TIMEOUT_MS)
         finally:
-            torch.cuda.set_stream(compute)
+            self._back(compute, caller)
         compute.wait_stream(self.stream)
+
+    def _to_side_stream(self) -> int:
+        """Make the side stream current, and its device (``set_stream`` switches both; it
+        costs the host less than ``torch.cuda.stream``'s context, whose device lookups took
+        microseconds a call: call 132); returns the caller's device."""
+        caller = torch.cuda.current_device()
+        torch.cuda.set_stream(self.stream)
+        return caller
+
+    def _back(self, compute: torch.cuda.Stream, caller: int) -> None:
+        """Undo :meth:`_to_side_stream`: ``compute`` current again, on the caller's device."""
+        torch.cuda.set_stream(compute)
+        if caller != self.index:
+            torch.cuda.set_device(caller)
 
 
 class SymmetricBatch:
@@ -154,17 +169,19 @@ _CHOSEN: dict[tuple, bool] = {}  # (group, device) -> copy engines, decided once
 
 
 def peer_links(group, device: torch.device) -> bool:
-    """Whether every rank of ``group`` can push into its left neighbour's GPU memory: one
-    host, another device index with peer access (the same index on two ranks means each
-    process sees one GPU, whose peer it cannot check), ``NCCL_P2P_DISABLE`` not 1, symmetric
-    memory in this PyTorch. Collective over ``group`` (all ranks get the same answer)."""
+    """Whether every rank of ``group`` can reach every other's GPU memory, as symmetric memory
+    needs (each rank maps all the group's buffers and its barriers signal every peer, not
+    just the neighbour a ring step pushes to): one host, distinct device indices (the same
+    index on two ranks means each process sees one GPU, whose peers it cannot check), peer
+    access between every pair, ``NCCL_P2P_DISABLE`` not 1, symmetric memory in this PyTorch.
+    Collective over ``group`` (all ranks get the same answer)."""
     import socket
 
     import torch.distributed as dist
 
     places: list = [None] * group.size()
     dist.all_gather_object(places, (socket.gethostname(), device.index), group=group)
-    _, left_index = places[(group.rank() - 1) % group.size()]
+    others = [index for rank, (_, index) in enumerate(places) if rank != group.rank()]
     try:
         import torch.distributed._symmetric_memory  # noqa: F401
 
@@ -175,8 +192,8 @@ def peer_links(group, device: torch.device) -> bool:
         usable
         and os.environ.get("NCCL_P2P_DISABLE") != "1"
         and all(host == socket.gethostname() for host, _ in places)
-        and left_index != device.index
-        and torch.cuda.can_device_access_peer(device, left_index)
+        and len({index for _, index in places}) == len(places)
+        and all(torch.cuda.can_device_access_peer(device, index) for index in others)
     )
     verdict = torch.tensor([int(usable)], device=device)
     dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=group)

@@ -464,7 +464,8 @@ def megatron_args_text(
     prediction: Estimate | None = None,
 ) -> str:
     """megatron_args.txt: comment header (with ``prediction``'s numbers when given),
-    ``NAME=value`` env lines, then one flag per line."""
+    ``NAME=value`` env lines (with a prediction that has ring hops, the
+    ``DS_STPAR_RING_TRANSPORT`` it priced), then one flag per line."""
     args = megatron_args(model, cluster, train, strategy, optimizer)
     strategy = _megatron_sp(strategy)
     lines = [
@@ -489,6 +490,10 @@ def megatron_args_text(
     if train.optimizer == "adam":
         lines.append("# Megatron-LM's adam is AdamW (decoupled weight decay)")
     lines += [f"{key}={value}" for key, value in megatron_env(train, strategy).items()]
+    if prediction is not None and prediction.ring_hops:
+        # the transport the estimate priced: auto takes the copy engines where it found them
+        transport = "nccl" if prediction.ring_hops == "nccl" else "auto"
+        lines.append(f"DS_STPAR_RING_TRANSPORT={transport}")
     for token in args:
         if token.startswith("--"):
             lines.append(token)

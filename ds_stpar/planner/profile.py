@@ -242,9 +242,9 @@ class Profile:
     ``gemm``: rows ``(m, n, k, tflops)`` of achieved bf16 TFLOP/s for an (m x k) @ (k x n)
     product. ``bus_bandwidth_gbs[collective][n]``: nccl-tests bus bandwidth in GB/s of a
     collective over ``n`` GPUs of one node (``p2p``: plain bandwidth between two GPUs).
-    ``peer_copies``: whether a GPU of a node can copy into another's memory (CUDA peer access,
-    ``NCCL_P2P_DISABLE`` not 1), where the ring's ``auto`` transport takes the copy engines;
-    true when not measured (NVLink nodes).
+    ``peer_copies``: whether the GPUs of a node all reach each other's memory (CUDA peer
+    access, ``NCCL_P2P_DISABLE`` not 1), where the ring's ``auto`` transport takes the copy
+    engines; true when not measured (NVLink nodes).
     """
 
     gpu: str
@@ -534,18 +534,16 @@ def measure(device: Any = None) -> Profile:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         profile.bus_bandwidth_gbs = _measure_collectives(torch, device)
-        profile.peer_copies = _peer_copies(torch, device)
+        profile.peer_copies = _peer_copies(device)
     return profile
 
 
-def _peer_copies(torch: Any, device: Any) -> bool:
-    """Whether ranks 0 and 1 reach each other's GPU memory as the ring's ``auto`` transport
-    asks (``layers.symmetric.peer_links``), told to every rank."""
+def _peer_copies(device: Any) -> bool:
+    """Whether every GPU of the world reaches every other's memory, as the ring's ``auto``
+    transport asks of a group (``layers.symmetric.peer_links``; false when the world spans
+    hosts). Collective over the world."""
+    import torch.distributed as dist
+
     from ds_stpar.layers.symmetric import peer_links
 
-    dist = torch.distributed
-    pair = dist.new_group([0, 1])  # collective: every rank creates it
-    reached = peer_links(pair, device) if dist.get_rank() < 2 else False
-    verdict = torch.tensor([int(reached)], device=device)
-    dist.broadcast(verdict, src=0)
-    return bool(verdict.item())
+    return peer_links(dist.group.WORLD, device)
