@@ -1183,6 +1183,28 @@ def test_local_stack_is_host_bound_on_small_micro_batches():
     assert fused.time_breakdown["host_bound"] == 0.0 and fused.step_time_s < est.step_time_s
 
 
+def test_every_stack_charges_the_rings_host_time_per_hop():
+    # The ring's per-hop host work is ds_stpar's, not Megatron's stack's: the published
+    # ("fused") stack prices it too, as its only host time. gpt3-125m at TP2 with 512-token
+    # micro-batches: each ring layer runs 10 passes of one hop, so a micro-batch's host time
+    # is 12 layers x 10 hops x host_ring_hop_s (above the GPU's: host-bound); Megatron's
+    # layout has no host time on that stack.
+    fused = Calibration.load_default("h200-141g")
+    assert fused.host_ring_hop_s == Calibration.load_default("h200-141g", LOCAL).host_ring_hop_s
+    assert fused.host_layer_s == fused.host_collective_s == 0.0
+    model = MODEL_PRESETS["gpt3-125m"]
+    train = TrainSpec(512, 16)
+    ring = Strategy(Layout(1, 2, 1, "ring"), micro_batch=1, sequence_parallel=True)
+    ring = dataclasses.replace(ring, fused_ring_mlp=False)
+    est = _local_estimate(model, ring, train, stack="fused")
+    parts = est.time_breakdown
+    pipe = sum(parts[k] for k in ("compute", "recompute", "tp_comm_exposed", "pp_p2p"))
+    assert parts["host_bound"] > 0
+    assert pipe + parts["host_bound"] == pytest.approx(16 * 12 * 10 * fused.host_ring_hop_s)
+    megatron = Strategy(Layout(1, 2, 1), micro_batch=1, sequence_parallel=True)
+    assert _local_estimate(model, megatron, train, stack="fused").time_breakdown["host_bound"] == 0
+
+
 def test_local_stack_memory_closed_form():
     # gpt3-350m, DP2, micro-batch 4 x 2048 (the first 2 x H200 row): Megatron DDP keeps bf16
     # weights, fp32 main grads and 12/d of fp32 optimizer state per parameter, no DP bucket;

@@ -24,7 +24,9 @@ Megatron-LM runs; ``"megatron-core-local"`` (megatron-core's local modules, no T
 Engine or Apex) prices its unfused elementwise kernels (:mod:`compute`'s ``local_*``),
 Megatron DDP's fp32 main-gradient accumulation per micro-batch, PyTorch's foreach AdamW with
 Megatron's per-tensor clipping, the fp32 cross entropy's memory, and a host (CPU) time per
-layer and collective: a micro-batch of a stage then takes ``max(GPU, host)``.
+layer and collective: a micro-batch of a stage then takes ``max(GPU, host)``. Every stack
+charges the ring's own host time per hop (``host_ring_hop_s``: ds_stpar's Python and P2P
+batch, whatever Megatron's stack), the published one as its only host time.
 
 FLOPs (planner.md "FLOPs"): model FLOPs per step = 3 x forward, with forward per token
 2 x (weights of the four linears) + 4 s a d_h per layer (full s^2, the 72-formula) and 2 h V
@@ -461,7 +463,8 @@ def stage_host(ctx: _Context, layers: int, first: bool, last: bool) -> float:
     has ``host_interleave_piece_s``: ``k`` x it per layer (fitted with its forward and
     backward collectives in it) + the recomputed forward's 3k collectives in the layers that
     recompute (the pieces' recomputed Python is not priced, as no layer's is). Zero unless
-    the calibration sets host constants (the local stack)."""
+    the calibration sets host constants (the local stack; every stack sets the ring's per
+    hop)."""
     cal = ctx.cal
     again = ctx.strategy.recomputed_layers(layers)
     calls = 0.0

@@ -85,7 +85,9 @@ class Calibration:
     the extra sub-GEMM launch), ``host_op_s`` (one small PyTorch op, for the optimizer's
     per-tensor work), ``host_interleave_piece_s`` (one piece of the interleaved layer,
     forward + backward, with its collectives: it takes the place of ``host_layer_s`` there;
-    0 means ``host_layer_s`` per piece). Zero host constants mean host time is not modelled.
+    0 means ``host_layer_s`` per piece). Zero host constants mean host time is not modelled;
+    the shipped defaults set ``host_ring_hop_s`` for every stack (the ring's host work is
+    ds_stpar's whatever Megatron's stack), the others for the local stack only.
 
     Flash attention: ``flash_fraction`` of peak for head dims 64 and 128 (PyTorch's SDPA
     runs cuDNN's kernel there), ``flash_fraction_other_dims`` for any other head dim
