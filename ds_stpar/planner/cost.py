@@ -150,7 +150,8 @@ class Estimate:
     blocks (all_reduce / all_gather / reduce_scatter / p2p / all_to_all), before any overlap.
     ``ring_hops``: what the estimate takes to carry the ring linears' or Cannon's neighbour
     hops, ``"copy engines"`` or ``"nccl"`` (:func:`~ds_stpar.planner.comm.ring_copy_engines`;
-    the interleaved layer and Megatron's layouts have none: ``""``).
+    a fused ring MLP's partial sums go by NCCL either way; the interleaved layer and
+    Megatron's layouts have none: ``""``).
     """
 
     strategy: Strategy
@@ -646,7 +647,9 @@ def tensors_per_stage(ctx: _Context, stage: int) -> int:
 
 def tp_buffer_bytes(ctx: _Context) -> float:
     """Transient TP buffers: Megatron's gathered input (and, with SP, the unreduced output)
-    of e T h each; ring: three T/t chunk buffers; Cannon: double-buffered activation and
+    of e T h each; ring: three T/t chunk buffers (two spare chunks and an accumulator with
+    NCCL's hops; the copy engines' buffer, one chunk at t = 2 and two above, outside the
+    caching allocator, takes their place: counted the same, at most a chunk over); Cannon: double-buffered activation and
     weight blocks, and the received pieces of the widest re-layout (column out of fc1,
     e T f' / t, f' the fc1 width) beside its output."""
     if ctx.t == 1:
