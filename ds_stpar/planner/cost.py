@@ -649,9 +649,9 @@ def tp_buffer_bytes(ctx: _Context) -> float:
     """Transient TP buffers: Megatron's gathered input (and, with SP, the unreduced output)
     of e T h each; ring: three T/t chunk buffers (two spare chunks and an accumulator with
     NCCL's hops; the copy engines' buffer, one chunk at t = 2 and two above, outside the
-    caching allocator, takes their place: counted the same, a chunk or two over); Cannon: double-buffered activation and
-    weight blocks, and the received pieces of the widest re-layout (column out of fc1,
-    e T f' / t, f' the fc1 width) beside its output."""
+    caching allocator, takes their place: counted the same, a chunk or two over); Cannon:
+    double-buffered activation and weight blocks, and the received pieces of the widest
+    re-layout (column out of fc1, e T f' / t, f' the fc1 width) beside its output."""
     if ctx.t == 1:
         return 0.0
     e, h, tokens = ctx.e, ctx.model.hidden_size, ctx.tokens
