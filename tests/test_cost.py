@@ -841,9 +841,10 @@ def test_local_block_matches_the_layer_benchmark():
     assert max(abs(err) for err, *_ in errors) < 0.10, errors
 
 
-def _layer_ms(model, strategy, gpu, links, cal) -> float:
+def _layer_ms(model, strategy, gpu, links, cal, gpus: int = 2) -> float:
     """The planner's fwd + bwd milliseconds of one block, as bench/layers.py times a layer."""
-    ev = cost.Evaluator(model, ClusterSpec(gpu, 2, 2, profile=links), TrainSpec(4096, 8), cal)
+    cluster = ClusterSpec(gpu, gpus, gpus, profile=links)
+    ev = cost.Evaluator(model, cluster, TrainSpec(4096, 8), cal)
     block = cost.block_cost(cost._Context(ev, strategy))
     return (block.fwd + block.bwd + block.comm_fwd + block.comm_bwd) * 1e3
 
@@ -905,33 +906,35 @@ def test_ring_mlp_fused_or_two_pass_matches_the_layer_benchmark(link):
 COPY_ENGINE_CALLS = Path(__file__).resolve().parent.parent / "bench" / "results" / "2026-11-27-s22"
 
 
-def _block_ratios(path: Path, cal: Calibration, links: Profile) -> list[tuple[float, float]]:
-    """(measured, predicted) Megatron TP2+SP ms over the two-pass ring's ms, per block of 4
-    layers of one bench/layers.py run."""
+def _block_ratios(
+    path: Path, cal: Calibration, links: Profile, tp: int = 2
+) -> dict[tuple[int, int], tuple[float, float]]:
+    """(h, tokens) -> (measured, predicted) Megatron TP+SP ms over the two-pass ring's ms,
+    per block of 4 layers of one bench/layers.py run at TP ``tp``."""
     rows = {
         (r["variant"], r["hidden"], r["tokens"]): r["ms"]
         for r in json.loads(path.read_text())["rows"]
         if r["block"] == "layer x4" and r.get("ms")
     }
-    pairs = []
+    ratios = {}
     for (variant, h, tokens), ms in rows.items():
         if variant != "ring-linear":
             continue
         model = ModelSpec("layer", 1, h, h // 128, vocab_size=1024, add_bias_linear=False)
         ring, megatron = (
             Strategy(
-                Layout(1, 2, 1, mode),
+                Layout(1, tp, 1, mode),
                 micro_batch=tokens // 4096,
                 sequence_parallel=True,
                 fused_ring_mlp=False,  # ring-linear: the MLP as its two passes
             )
             for mode in ("ring", "megatron")
         )
-        predicted = _layer_ms(model, megatron, H100, links, cal) / _layer_ms(
-            model, ring, H100, links, cal
+        predicted = _layer_ms(model, megatron, H100, links, cal, tp) / _layer_ms(
+            model, ring, H100, links, cal, tp
         )
-        pairs.append((rows[("megatron-sp", h, tokens)] / ms, predicted))
-    return pairs
+        ratios[(h, tokens)] = (rows[("megatron-sp", h, tokens)] / ms, predicted)
+    return ratios
 
 
 def test_copy_engine_hops_overlap_as_the_blocks_measured():
@@ -952,7 +955,7 @@ def test_copy_engine_hops_overlap_as_the_blocks_measured():
     def errors(kind: str, cal: Calibration) -> list[float]:
         runs = sorted(COPY_ENGINE_CALLS.glob(f"call12[5-7]/{kind}-[123].json"))
         assert len(runs) == 3
-        pairs = [pair for run in runs for pair in _block_ratios(run, cal, links)]
+        pairs = [pair for run in runs for pair in _block_ratios(run, cal, links).values()]
         assert len(pairs) == 16
         return [predicted / measured - 1 for measured, predicted in pairs]
 
@@ -973,7 +976,8 @@ def test_four_rank_copy_engine_blocks_where_the_gpu_sets_the_pace():
     # two-pass ring by the copy engines against Megatron TP4+SP in the same run, links from
     # `ds-stpar profile` on the same machine (call 130). Where the GPU sets the pace (h 8192,
     # and h 4096 at 32K tokens) the planner's ring/Megatron ratio (1.0 of each hop hidden)
-    # comes within 4% of the measured one (1.06-1.14x; -1% to +4%). At h 4096
+    # comes within 4% of the measured one (1.06-1.14x; -1.0% to +3.6%, the bound that plus
+    # the 1% by which the two runs of one shape differ). At h 4096
     # with 8K and 16K tokens (2K and 4K rows per rank) the ring's step is the host's: the
     # blocks ran 0.56x and 0.98-1.02x, which a block's GPU time cannot say (the whole-model
     # estimate adds host time: below).
@@ -983,33 +987,17 @@ def test_four_rank_copy_engine_blocks_where_the_gpu_sets_the_pace():
     cal = Calibration.load_default("h100-80g", stack=LOCAL)
     errors = {}
     for run in ("call130/ce4.json", "call131/auto4-2.json"):
-        rows = {
-            (r["variant"], r["hidden"], r["tokens"]): r
+        transports = {
+            r["ring_transport"]
             for r in json.loads((calls / run).read_text())["rows"]
-            if r["block"] == "layer x4"
+            if r["variant"] == "ring-linear"
         }
-        for (variant, h, tokens), row in rows.items():
-            if variant != "ring-linear" or (h == 4096 and tokens < 32768):
-                continue
-            assert row["ring_transport"] == "copy engines"
-            model = ModelSpec("layer", 1, h, h // 128, vocab_size=1024, add_bias_linear=False)
-            ring, megatron = (
-                Strategy(
-                    Layout(1, 4, 1, mode),
-                    micro_batch=tokens // 4096,
-                    sequence_parallel=True,
-                    fused_ring_mlp=False,
-                )
-                for mode in ("ring", "megatron")
-            )
-            cluster = ClusterSpec(H100, 4, 4, profile=links)
-            ev = cost.Evaluator(model, cluster, TrainSpec(4096, 8), cal)
-            ms = {}
-            for name, strategy in (("ring", ring), ("megatron", megatron)):
-                block = cost.block_cost(cost._Context(ev, strategy))
-                ms[name] = block.fwd + block.bwd + block.comm_fwd + block.comm_bwd
-            measured = rows[("megatron-sp", h, tokens)]["ms"] / row["ms"]
-            errors[(run, h, tokens)] = ms["megatron"] / ms["ring"] / measured - 1
+        assert transports == {"copy engines"}
+        for (h, tokens), (measured, predicted) in _block_ratios(
+            calls / run, cal, links, tp=4
+        ).items():
+            if h == 8192 or tokens == 32768:  # where the GPU sets the pace
+                errors[(run, h, tokens)] = predicted / measured - 1
     assert len(errors) == 7
     assert max(map(abs, errors.values())) < 0.04, errors
 
