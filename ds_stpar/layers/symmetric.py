@@ -23,10 +23,10 @@ caching allocator: it is not in ``torch.cuda.max_memory_allocated``, and
 Which transport: ``DS_STPAR_RING_TRANSPORT`` = ``auto`` (default), ``nccl`` or
 ``symmetric-memory``, the same on every rank (as NCCL's own variables: ranks that disagree
 wait for each other at the first ring pass). ``auto`` takes the copy engines for a GPU group
-on one host whose GPUs reach each other (``torch.cuda.can_device_access_peer``; ranks that see their
-peer under the same device index, one GPU per process, are not taken to), unless
-``NCCL_P2P_DISABLE=1`` says peer links are not to be used; the ranks agree on it once per
-group (collective: a gather of host names and device indices, a MIN all-reduce of the
+on one host whose GPUs all reach each other (``torch.cuda.can_device_access_peer`` between
+every pair; ranks that see their peers under the same device index, one GPU per process,
+are not taken to), unless ``NCCL_P2P_DISABLE=1`` says peer links are not to be used; the
+ranks agree on it once per group (collective: a gather of host names and device indices, a MIN all-reduce of the
 verdicts), so they all take the same transport. A barrier that waits longer than
 :data:`BARRIER_TIMEOUT_MS` (a rank gone) stops the kernel with an error instead of hanging.
 CPU groups (gloo) always use ``start_p2p``. Measured over NVLink: on 2 x H100 the two-pass
