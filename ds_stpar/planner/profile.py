@@ -64,8 +64,9 @@ class Calibration:
     communication (DP reduction behind backward, Megatron's async TP backward);
     ``ring_hop_overlap`` the share of a ring/Cannon neighbour hop hidden behind its step's
     sub-GEMM when NCCL carries it, ``ring_hop_overlap_copy_engines`` when the GPUs' copy
-    engines do (``layers/symmetric.py``; 0: ``ring_hop_overlap``); ``ring_mlp_pass_s`` the least exposed time of one fused ring MLP pass (what
-    the pass loses to stream waits and partial-sum bookkeeping even where its hops hide).
+    engines do (``layers/symmetric.py``; 0: ``ring_hop_overlap``); ``ring_mlp_pass_s`` the
+    least exposed time of one fused ring MLP pass (what the pass loses to stream waits and
+    partial-sum bookkeeping even where its hops hide).
 
     Software stack (``stack``, :data:`STACKS`): ``"fused"`` is the stack of the published
     Megatron-LM runs (fused bias-GeLU / bias-dropout-add / softmax kernels, gradient
