@@ -218,16 +218,17 @@ def start_p2p(sends: Sequence[Message], recvs: Sequence[Message], group: Group) 
         for msg in messages:
             msg.tensor.record_stream(stream)
         pending = PendingP2P(works, received, stream)
-    _bound_in_flight(device)
+    _bound_in_flight(compute)
     return pending
 
 
-def _bound_in_flight(device: torch.device) -> None:
-    """Count a batch just issued against :data:`MAX_IN_FLIGHT` (see :class:`InFlightLimit`)."""
+def _bound_in_flight(compute: torch.cuda.Stream) -> None:
+    """Count a batch just issued from ``compute`` against :data:`MAX_IN_FLIGHT` (see
+    :class:`InFlightLimit`)."""
     if MAX_IN_FLIGHT > 0:
-        if device not in _LIMITS:
-            _LIMITS[device] = InFlightLimit(MAX_IN_FLIGHT)
-        _LIMITS[device].add(torch.cuda.current_stream(device.index).record_event())
+        if compute.device not in _LIMITS:
+            _LIMITS[compute.device] = InFlightLimit(MAX_IN_FLIGHT)
+        _LIMITS[compute.device].add(compute.record_event())
 
 
 def ring_pass(
@@ -280,7 +281,7 @@ def ring_pass(
                 [total] if partial is not None else []
             )
             pending = symmetric.start([t.contiguous() for t in sent])
-            _bound_in_flight(symmetric.device)
+            _bound_in_flight(torch.cuda.current_stream(symmetric.index))
         elif step < size - 1:
             sends, recvs = [], []
             if rotate is not None:
