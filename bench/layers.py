@@ -91,10 +91,13 @@ partial sums to bf16 between steps) only; a wrong block or index gives O(1).
 Ring overlap calibration (MLP cases): (i) one ring hop of a [T/P, h] chunk alone (the ring's own
 start_p2p: send to rank d-1, receive from d+1), (ii) the chunk GEMM [T/P, h] x [h, 4h/P] alone,
 (iii) one ring step (hop started, GEMM, wait). hop hidden = (hop + gemm - step) / hop clipped
-to [0, 1]: the planner's ``ring_hop_overlap``. Also the forward of the fc1 column alone: ring,
-Megatron AG+GEMM, async-TP fused AG+GEMM, GEMM only, and the pass-level hidden share of the
-ring forward. Saved under "ring_overlap" in --out (each case with its "world" P);
-ring_overlap.ring_hop_overlap is the median over cases.
+to [0, 1]: the planner's ``ring_hop_overlap`` (NCCL's hops). Where the ring's hops may go by the
+copy engines (``DS_STPAR_RING_TRANSPORT``), (i) and (iii) again with the copy engines' batch:
+copy-engine hop hidden, the planner's ``ring_hop_overlap_copy_engines``. Also the forward of
+the fc1 column alone: ring, Megatron AG+GEMM, async-TP fused AG+GEMM, GEMM only, and the
+pass-level hidden share of the ring forward. Saved under "ring_overlap" in --out (each case
+with its "world" P); ring_overlap.ring_hop_overlap and .ring_hop_overlap_copy_engines are the
+medians over the cases (the latter None where the copy engines carried no hop).
 """
 
 from __future__ import annotations
@@ -323,6 +326,9 @@ OVERLAP_COLUMNS = (
     ("gemm_ms", "chunk GEMM ms"),
     ("step_ms", "step ms"),
     ("hop_hidden", "hop hidden"),
+    ("ce_hop_ms", "copy-engine hop ms"),
+    ("ce_step_ms", "copy-engine step ms"),
+    ("ce_hop_hidden", "copy-engine hop hidden"),
     ("ring_fwd_ms", "ring fwd ms"),
     ("megatron_fwd_ms", "Megatron AG+GEMM ms"),
     ("async_tp_fwd_ms", "async-TP fused ms"),
@@ -1105,6 +1111,7 @@ def ring_overlap(case: Case, rt: Runtime, async_name: str | None, full) -> dict:
     result["gemm_ms"] = rt.median_ms(gemm, repeats)
     result["step_ms"] = rt.median_ms(step, repeats)
     result["hop_hidden"] = hidden_fraction(result["hop_ms"], result["gemm_ms"], result["step_ms"])
+    result.update(copy_engine_hop(xs, gemm, rt, repeats))
 
     cfg_ring = _config(case, size, "ring", True)
     cfg_meg = _config(case, size, "megatron", True)
@@ -1150,6 +1157,29 @@ def ring_overlap(case: Case, rt: Runtime, async_name: str | None, full) -> dict:
     xs = recv = out = gathered = x3 = weight = None
     rt.free()
     return result
+
+
+def copy_engine_hop(xs: list[Tensor], gemm: Callable, rt: Runtime, repeats: int) -> dict:
+    """The same hop and step with the hop by the copy engines (``layers/symmetric.py``), where
+    ``DS_STPAR_RING_TRANSPORT`` takes them for this group (``auto``: GPUs on one host that
+    reach each other); None elsewhere. ``ce_hop_hidden`` is what the planner's
+    ``ring_hop_overlap_copy_engines`` stands for."""
+    from ds_stpar.layers import symmetric
+
+    ring = symmetric.symmetric_ring(rt.tp_group, rt.device) if rt.cuda else None
+    if ring is None:
+        return {"ce_hop_ms": None, "ce_step_ms": None, "ce_hop_hidden": None}
+
+    def step(i: int) -> None:
+        batch = ring.start([xs[i % rt.pool]])
+        gemm(i)
+        batch.wait()
+
+    hop_ms = rt.median_ms(lambda i: ring.start([xs[i % rt.pool]]).wait(), repeats)
+    step_ms = rt.median_ms(step, repeats)
+    gemm_ms = rt.median_ms(gemm, repeats)
+    hidden = hidden_fraction(hop_ms, gemm_ms, step_ms)
+    return {"ce_hop_ms": hop_ms, "ce_step_ms": step_ms, "ce_hop_hidden": hidden}
 
 
 # ----------------------------------------------------------------------------- main
@@ -1405,8 +1435,9 @@ def main(argv: list[str] | None = None) -> None:
             print("\n## correctness vs " + REFERENCE + f" (relative norm error < {CHECK_TOL})\n")
             print(format_checks(checks))
         if overlap:
-            median = _median_hidden(overlap)
-            print(f"\n## ring overlap calibration (median hop hidden = {median:.3f})\n")
+            median, ce = _median_hidden(overlap), _median_hidden(overlap, "ce_hop_hidden")
+            ce_text = "" if ce is None else f"; by the copy engines {ce:.3f}"
+            print(f"\n## ring overlap calibration (median hop hidden = {median:.3f}{ce_text})\n")
             print(format_overlap(overlap))
         if args.out:
             _write(args.out, header, rows, checks, overlap)
@@ -1414,8 +1445,11 @@ def main(argv: list[str] | None = None) -> None:
     dist.destroy_process_group()
 
 
-def _median_hidden(overlap: list[dict]) -> float | None:
-    return statistics.median(c["hop_hidden"] for c in overlap) if overlap else None
+def _median_hidden(overlap: list[dict], key: str = "hop_hidden") -> float | None:
+    """The median of ``key`` over the cases that have it (the copy engines' rows only where
+    they carried a hop); None without any."""
+    values = [c[key] for c in overlap if c.get(key) is not None]
+    return statistics.median(values) if values else None
 
 
 def _megatron_version() -> str:
@@ -1432,6 +1466,7 @@ def _write(path: str, header: dict, rows: list[Row], checks: list[dict], overlap
         "ring_overlap": {
             "label": header["label"],
             "ring_hop_overlap": _median_hidden(overlap),
+            "ring_hop_overlap_copy_engines": _median_hidden(overlap, "ce_hop_hidden"),
             "cases": overlap,
         },
     }
