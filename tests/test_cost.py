@@ -850,6 +850,20 @@ def _layer_ms(model, strategy, gpu, links, cal, gpus: int = 2) -> float:
     return (block.fwd + block.bwd + block.comm_fwd + block.comm_bwd) * 1e3
 
 
+def _bench_layer(variant: str, h: int, tokens: int, tp: int = 2) -> tuple[ModelSpec, Strategy]:
+    """The planner's model and strategy for one layer of a bench/layers.py variant at TP
+    ``tp`` (sequences of 4096): Megatron TP+SP ("megatron-sp"), the ring with its MLP as one
+    fused pass ("ring") or as its two passes ("ring-linear")."""
+    model = ModelSpec("layer", 1, h, h // 128, vocab_size=1024, add_bias_linear=False)
+    strategy = Strategy(
+        Layout(1, tp, 1, "megatron" if variant == "megatron-sp" else "ring"),
+        micro_batch=tokens // 4096,
+        sequence_parallel=True,
+        fused_ring_mlp=variant == "ring",
+    )
+    return model, strategy
+
+
 FUSED = Path(__file__).resolve().parent.parent / "bench" / "results" / "2026-11-26-s4-2xH100"
 
 
@@ -879,14 +893,7 @@ def test_ring_mlp_fused_or_two_pass_matches_the_layer_benchmark(link):
         if row["block"] != "layer" or row["variant"] not in ("megatron-sp", "ring", "ring-linear"):
             continue
         h, tokens = row["hidden"], row["tokens"]
-        model = ModelSpec("layer", 1, h, h // 128, vocab_size=1024, add_bias_linear=False)
-        mode = "megatron" if row["variant"] == "megatron-sp" else "ring"
-        strategy = Strategy(
-            Layout(1, 2, 1, mode),
-            micro_batch=tokens // 4096,
-            sequence_parallel=True,
-            fused_ring_mlp=row["variant"] == "ring",
-        )
+        model, strategy = _bench_layer(row["variant"], h, tokens)
         key = (row["variant"], h, tokens)
         measured[key], predicted[key] = row["ms"], _layer_ms(model, strategy, H100, links, cal)
     assert len(measured) == 18
@@ -923,16 +930,8 @@ def _block_ratios(
     for (variant, h, tokens), ms in rows.items():
         if variant != "ring-linear":
             continue
-        model = ModelSpec("layer", 1, h, h // 128, vocab_size=1024, add_bias_linear=False)
-        ring, megatron = (
-            Strategy(
-                Layout(1, tp, 1, mode),
-                micro_batch=tokens // 4096,
-                sequence_parallel=True,
-                fused_ring_mlp=False,  # ring-linear: the MLP as its two passes
-            )
-            for mode in ("ring", "megatron")
-        )
+        model, ring = _bench_layer("ring-linear", h, tokens, tp)
+        _, megatron = _bench_layer("megatron-sp", h, tokens, tp)
         predicted = _layer_ms(model, megatron, H100, links, cal, tp) / _layer_ms(
             model, ring, H100, links, cal, tp
         )
@@ -999,14 +998,7 @@ def test_copy_engine_share_predicts_single_layers_measured_later():
         if row["block"] != "layer" or row["variant"] not in ("megatron-sp", "ring-linear"):
             continue
         h, tokens = row["hidden"], row["tokens"]
-        model = ModelSpec("layer", 1, h, h // 128, vocab_size=1024, add_bias_linear=False)
-        mode = "ring" if row["variant"] == "ring-linear" else "megatron"
-        strategy = Strategy(
-            Layout(1, 2, 1, mode),
-            micro_batch=tokens // 4096,
-            sequence_parallel=True,
-            fused_ring_mlp=False,
-        )
+        model, strategy = _bench_layer(row["variant"], h, tokens)
         error = _layer_ms(model, strategy, H100, links, cal) / row["ms"] - 1
         assert abs(error) < 0.10, (row["variant"], h, tokens, error)
 
