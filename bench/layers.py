@@ -92,7 +92,7 @@ Ring overlap calibration (MLP cases): (i) one ring hop of a [T/P, h] chunk alone
 start_p2p: send to rank d-1, receive from d+1), (ii) the chunk GEMM [T/P, h] x [h, 4h/P] alone,
 (iii) one ring step (hop started, GEMM, wait). hop hidden = (hop + gemm - step) / hop clipped
 to [0, 1]: the planner's ``ring_hop_overlap`` (NCCL's hops). Where the ring's hops may go by the
-copy engines (``DS_STPAR_RING_TRANSPORT``), (i) and (iii) again with the copy engines' batch:
+copy engines (``DS_STPAR_RING_TRANSPORT``), (i)-(iii) again with the copy engines' batch:
 copy-engine hop hidden, the planner's ``ring_hop_overlap_copy_engines``. Also the forward of
 the fc1 column alone: ring, Megatron AG+GEMM, async-TP fused AG+GEMM, GEMM only, and the
 pass-level hidden share of the ring forward. Saved under "ring_overlap" in --out (each case
@@ -327,6 +327,7 @@ OVERLAP_COLUMNS = (
     ("step_ms", "step ms"),
     ("hop_hidden", "hop hidden"),
     ("ce_hop_ms", "copy-engine hop ms"),
+    ("ce_gemm_ms", "its chunk GEMM ms"),
     ("ce_step_ms", "copy-engine step ms"),
     ("ce_hop_hidden", "copy-engine hop hidden"),
     ("ring_fwd_ms", "ring fwd ms"),
@@ -1160,15 +1161,17 @@ def ring_overlap(case: Case, rt: Runtime, async_name: str | None, full) -> dict:
 
 
 def copy_engine_hop(xs: list[Tensor], gemm: Callable, rt: Runtime, repeats: int) -> dict:
-    """The same hop and step with the hop by the copy engines (``layers/symmetric.py``), where
-    ``DS_STPAR_RING_TRANSPORT`` takes them for this group (``auto``: GPUs on one host that
-    reach each other); None elsewhere. ``ce_hop_hidden`` is what the planner's
-    ``ring_hop_overlap_copy_engines`` stands for."""
+    """The hop, the chunk GEMM and the step again, in the same order, with the hop by the copy
+    engines (``layers/symmetric.py``), where ``DS_STPAR_RING_TRANSPORT`` takes them for this
+    group (``auto``: GPUs on one host that reach each other); None elsewhere.
+    ``ce_hop_hidden`` is what the planner's ``ring_hop_overlap_copy_engines`` stands for. The
+    GEMM is timed again beside its own step: it moved by up to 6% between timings on 2 x H100
+    (twenty-fourth session, call 145), more than a hop of 13-15% of it hides at h 8192."""
     from ds_stpar.layers import symmetric
 
     ring = symmetric.symmetric_ring(rt.tp_group, rt.device) if rt.cuda else None
     if ring is None:
-        return {"ce_hop_ms": None, "ce_step_ms": None, "ce_hop_hidden": None}
+        return {"ce_hop_ms": None, "ce_gemm_ms": None, "ce_step_ms": None, "ce_hop_hidden": None}
 
     def step(i: int) -> None:
         batch = ring.start([xs[i % rt.pool]])
@@ -1176,10 +1179,15 @@ def copy_engine_hop(xs: list[Tensor], gemm: Callable, rt: Runtime, repeats: int)
         batch.wait()
 
     hop_ms = rt.median_ms(lambda i: ring.start([xs[i % rt.pool]]).wait(), repeats)
-    step_ms = rt.median_ms(step, repeats)
     gemm_ms = rt.median_ms(gemm, repeats)
+    step_ms = rt.median_ms(step, repeats)
     hidden = hidden_fraction(hop_ms, gemm_ms, step_ms)
-    return {"ce_hop_ms": hop_ms, "ce_step_ms": step_ms, "ce_hop_hidden": hidden}
+    return {
+        "ce_hop_ms": hop_ms,
+        "ce_gemm_ms": gemm_ms,
+        "ce_step_ms": step_ms,
+        "ce_hop_hidden": hidden,
+    }
 
 
 # ----------------------------------------------------------------------------- main

@@ -28,7 +28,6 @@ measured ring forward. (Whole-step accuracy is ``bench/planner_accuracy.py --rep
 import dataclasses
 import json
 import math
-import statistics
 from pathlib import Path
 
 import pytest
@@ -980,7 +979,8 @@ def test_copy_engine_share_predicts_single_layers_measured_later():
     # 1.0, was fitted to calls 125-127's blocks of 4). With the shipped calibration the
     # planner's ring/Megatron ratio must come within 5% of every measured one (measured
     # -4.0% to +2.0%: one run per shape, and one shape's runs spread by up to 4% in calls
-    # 125-127), and a step's milliseconds within the issue's 10% bar.
+    # 125-127), and a step's milliseconds within the issue's 10% bar (measured -5.2% to
+    # +8.7%; a share of 0.9 would put one ratio 5.1% off, 0.8 6.3%).
     mlp = json.loads((FUSED / "layers-nvlink-mlp.json").read_text())
     links = Profile.from_layers_benchmark(mlp, "h100-80g", H100.intra_latency_us * 1e-6)
     cal = Calibration.load_default("h100-80g", stack=LOCAL)
@@ -1178,22 +1178,6 @@ def test_shipped_ring_overlap_is_the_measured_nvlink_median():
     assert Calibration.load_default("h200-141g").ring_hop_overlap == pytest.approx(
         measured, abs=0.005
     )
-
-
-def test_shipped_copy_engine_share_meets_the_measured_hops():
-    # The copy engines' share (1.0) was fitted to whole blocks (calls 125-127). bench/layers.py
-    # now times the hop itself beside its chunk GEMM by the copy engines too (call 145, 2 x
-    # H100, NVLink, the MLP cases): the median hidden share over its six cases, 0.98
-    # (0.45-1.00 per case, as NCCL's spread 0.26-0.81 in the same run, median 0.71), must
-    # meet the shipped share within 0.05, and stay above NCCL's.
-    data = json.loads((RESULTS_ROOT / "2026-11-27-s24" / "call145" / "overlap.json").read_text())
-    cases = data["ring_overlap"]["cases"]
-    assert len(cases) == 6 and all(c["ce_hop_hidden"] is not None for c in cases)
-    ce = statistics.median(c["ce_hop_hidden"] for c in cases)
-    nccl = statistics.median(c["hop_hidden"] for c in cases)
-    shipped = Calibration.load_default("h100-80g", stack=LOCAL)
-    assert shipped.ring_hop_overlap_copy_engines == pytest.approx(ce, abs=0.05)
-    assert nccl < ce
 
 
 def _local_estimate(model, strategy, train, stack=LOCAL, gpus=2):
