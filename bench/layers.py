@@ -1165,8 +1165,10 @@ def copy_engine_hop(xs: list[Tensor], gemm: Callable, rt: Runtime, repeats: int)
     engines (``layers/symmetric.py``), where ``DS_STPAR_RING_TRANSPORT`` takes them for this
     group (``auto``: GPUs on one host that reach each other); None elsewhere.
     ``ce_hop_hidden`` is what the planner's ``ring_hop_overlap_copy_engines`` stands for. The
-    GEMM is timed again beside its own step: it moved by up to 6% between timings on 2 x H100
-    (twenty-fourth session, call 145), more than a hop of 13-15% of it hides at h 8192."""
+    GEMM is timed again beside its own step, since its time moved by up to 6% between timings
+    on 2 x H100 (twenty-fourth session, call 145). At h 8192, where a hop is only 13-15% of
+    its GEMM, a swing that size makes one case's share noise; the planner's share is fitted
+    to whole blocks instead."""
     from ds_stpar.layers import symmetric
 
     ring = symmetric.symmetric_ring(rt.tp_group, rt.device) if rt.cuda else None

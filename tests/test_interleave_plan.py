@@ -6,9 +6,9 @@ Measured: ``bench/layers.py`` TransformerLayer fwd + bwd (no bias, GeLU, SDPA, s
 4096), Megatron TP2 + SP, the ring with the fused MLP and the interleaved layer of 2 and 4
 pieces, in one invocation per link: 2 x H100 (sixteenth session, call 76; over the slow link
 again in the twenty-fourth session, call 144) and 2 x H200 (nineteenth session, call 99); and
-a block of 4 such layers (``--layers 4``, 2 x H200,
-twenty-first session, call 110). Links: each card's link benchmark (``Profile.from_layers_
-benchmark``), as ``tests/test_cost.py`` reads them.
+a block of 4 such layers (``--layers 4``, 2 x H200, twenty-first session, call 110). Links:
+each card's link benchmark (``Profile.from_layers_benchmark``), as ``tests/test_cost.py``
+reads them.
 """
 
 from __future__ import annotations
