@@ -869,6 +869,13 @@ FUSED = Path(__file__).resolve().parent.parent / "bench" / "results" / "2026-11-
 TWO_PASS = Path(__file__).resolve().parent.parent / "bench" / "results" / "2026-11-27-s17-2xH100"
 
 
+def _h100_links(link: str) -> Profile:
+    """2 x H100 links from the fourth session's MLP run over ``link`` (``nvlink`` or
+    ``slow``), the host kind of the later 2 x H100 layer runs."""
+    mlp = json.loads((FUSED / f"layers-{link}-mlp.json").read_text())
+    return Profile.from_layers_benchmark(mlp, "h100-80g", H100.intra_latency_us * 1e-6)
+
+
 @pytest.mark.parametrize("link", ["nvlink", "slow"])
 def test_ring_mlp_fused_or_two_pass_matches_the_layer_benchmark(link):
     # bench/layers.py on 2 x H100 (seventeenth session, call 84): TransformerLayer fwd+bwd,
@@ -882,9 +889,8 @@ def test_ring_mlp_fused_or_two_pass_matches_the_layer_benchmark(link):
     # two-pass steps differ by more than 1% (these tables' run-to-run spread; the NVLink
     # h 8192 rows at 16K and 32K differ by 0.2%), the planner ranks them as measured: two
     # passes faster over NVLink, fused over the slow link -- the search's choice.
-    mlp = json.loads((FUSED / f"layers-{link}-mlp.json").read_text())
     layer = json.loads((TWO_PASS / "call84" / f"{link}.json").read_text())
-    links = Profile.from_layers_benchmark(mlp, "h100-80g", H100.intra_latency_us * 1e-6)
+    links = _h100_links(link)
     # call 84 predates the copy-engine transport: the ring's hops went by NCCL
     cal = Calibration.load_default("h100-80g", stack=LOCAL).replace(ring_transport="nccl")
     measured, predicted = {}, {}
@@ -947,8 +953,7 @@ def test_copy_engine_hops_overlap_as_the_blocks_measured():
     # of one shape spread by up to 4%) and 1% on average; the copy engines' share is where
     # the error is least (it falls up to the bound, 1.0), NCCL's 0.66 of the ring's first
     # runs holds for NCCL's hops (links: the fourth session's NVLink MLP run, same host kind).
-    mlp = json.loads((FUSED / "layers-nvlink-mlp.json").read_text())
-    links = Profile.from_layers_benchmark(mlp, "h100-80g", H100.intra_latency_us * 1e-6)
+    links = _h100_links("nvlink")
     assert links.peer_copies
     shipped = Calibration.load_default("h100-80g", stack=LOCAL)
     assert shipped.ring_transport == "auto" and shipped.ring_hop_overlap_copy_engines == 1.0
@@ -981,8 +986,7 @@ def test_copy_engine_share_predicts_single_layers_measured_later():
     # -4.0% to +2.0%: one run per shape, and one shape's runs spread by up to 4% in calls
     # 125-127), and a step's milliseconds within the issue's 10% bar (measured -5.2% to
     # +8.7%; a share of 0.9 would put one ratio 5.1% off, 0.8 6.3%).
-    mlp = json.loads((FUSED / "layers-nvlink-mlp.json").read_text())
-    links = Profile.from_layers_benchmark(mlp, "h100-80g", H100.intra_latency_us * 1e-6)
+    links = _h100_links("nvlink")
     cal = Calibration.load_default("h100-80g", stack=LOCAL)
     path = RESULTS_ROOT / "2026-11-27-s24" / "call143" / "nvlink.json"
     data = json.loads(path.read_text())
