@@ -28,10 +28,11 @@ from ds_stpar.layers.ring_mlp import ring_mlp, ring_two_pass_mlp
 VARIANTS = ("two-pass", "two-pass-closed-form", "fused", "fused-closed-form")
 
 
-def peak_blocks(group, hidden: int, tokens: int, variant: str) -> float:
+def peak_blocks(group, hidden: int, tokens: int, variant: str, pieces: int = 1) -> float:
     """Peak bytes above the step's start over one ``[tokens/P, hidden]`` fp32 block, for
-    ``variant`` in :data:`VARIANTS` (no biases; the output
-    stays referenced through the backward, as a training step's loss keeps it)."""
+    ``variant`` in :data:`VARIANTS` (no biases; the output stays referenced through the
+    backward, as a training step's loss keeps it); the fused pass's partial sums travel in
+    ``pieces`` row pieces."""
     size = group.size()
     ffn = 4 * hidden // size
     gen = torch.Generator().manual_seed(group.rank())
@@ -43,7 +44,7 @@ def peak_blocks(group, hidden: int, tokens: int, variant: str) -> float:
 
     def step() -> None:
         if variant.startswith("fused"):
-            y = ring_mlp(x, w1, None, w2, act, group, pieces=1, min_piece_flop=0)
+            y = ring_mlp(x, w1, None, w2, act, group, pieces=pieces, min_piece_flop=0)
         else:
             y = ring_two_pass_mlp(x, w1, None, w2, act, group)
         y.backward(dy)

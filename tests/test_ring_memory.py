@@ -9,12 +9,14 @@ A (4), dW2 (4), dX (1), the rotation's spare chunks (min(2, P - 1)) and the new 
 block more means a buffer outlived its use, e.g. the dX accumulator's beside dW1 (the single
 combined pass before the eighteenth session held 17 at P = 2).
 
-The fused pass (one row piece) keeps every X chunk (P) and A (4). At its peak (a chunk's
-act(A), recomputed for dW2, at step 1) it holds Y (1), X (P), A with the rows done so far
-overwritten by dA (4), the rotation's spare dY chunks (min(2, P - 1)), dW2 (4), dW1 (4), its
-own chunk's dX term (1), the partial-sum inbox (1) and that act(A) (2). Before the closed
-form wrote dA over A (nineteenth session), act(A), dA and fc2's input gradient of the chunk
-were alive at once: 24 blocks at P = 2 instead of 20."""
+The fused pass keeps the X chunks of the other ranks (P - 1; its own is the input) and A (4).
+At its peak (dW1, made once the ring's last partial sums are on their way) it holds Y (1),
+those chunks (P - 1), dA over A (4), dW2 (4), dW1 (4), its own chunk's dX (1), the partial-sum
+inbox (1) and the partial sums in flight (1), whether they travel in one row piece or four.
+Before dW1 moved out of the ring (twenty-fifth session) the peak was at a chunk's recomputed
+act(A) with dW1 alive beside the rotation's spare chunks: 20 blocks at P = 2 with one piece,
+and before the closed form wrote dA over A (nineteenth session), when act(A), dA and fc2's
+input gradient of the chunk were alive at once: 24 blocks at P = 2 instead of 20."""
 
 import sys
 from pathlib import Path
@@ -37,9 +39,10 @@ def _worker(rank: int, world_size: int) -> None:
         assert blocks == expected, (size, blocks, expected)
         # a plain callable (nested autograd graph, dA copied over A) never holds less
         assert cpu_peak.peak_blocks(group, 64, 64, "two-pass") >= expected
-        fused = 1 + size + 4 + min(2, size - 1) + 4 + 4 + 1 + 1 + 2
-        blocks = cpu_peak.peak_blocks(group, 64, 64, "fused-closed-form")
-        assert blocks == fused, (size, blocks, fused)
+        fused = 1 + (size - 1) + 4 + 4 + 4 + 1 + 1 + 1
+        for pieces in (1, 4):
+            blocks = cpu_peak.peak_blocks(group, 64, 64, "fused-closed-form", pieces)
+            assert blocks == fused, (size, pieces, blocks, fused)
         assert cpu_peak.peak_blocks(group, 64, 64, "fused") >= fused
 
 

@@ -19,21 +19,32 @@ of M/P rows), rank d of P, F = fc1's output features (2f for a GLU), F' = fc2's 
               d-1 at once. The sum leaving rank c+1 at step P-1 has every term but c's own,
               which c adds at the end: P-1 hops of X, P-1 hops of partial sums.
     backward: dY chunks rotate the same way; step t, chunk c:
-                H = act(A[c]) (recomputed)     dW2_d += dY[c]^T H
-                dA = act'(A[c]) (dY[c] W2_d)   dW1_d += dA^T X[c]    db1_d += sum_rows dA
-                rank d's term of dX[c] = dA W1_d, summed over the ranks like Y[c] above.
+                H = act(A[c]) (recomputed)     dW2_d += dY[c]^T H    db1_d += sum_rows dA
+                dA = act'(A[c]) (dY[c] W2_d), written over A[c]
+                rank d's term of dX[c] = dA W1_d, summed over the ranks like Y[c] above;
+              then, while the last partial sums travel, dW1_d = sum_c dA[c]^T X[c] (into a
+              main_grad: dW1_d += dA^T X[c] piece by piece, in the ring).
 
 Saved for backward: every X chunk (``[M, K]``, they all passed through in the forward; keeping
-them saves the third activation stream a memory-lean backward would need) and the
-pre-activation A (``[M, F/P]``), not act(A): the activation is recomputed per piece, one
-elementwise pass. Against Megatron TP+SP, which saves X's own chunk, A and act(A)
-(``M K/P + M F/P + M F'/P``), this holds ``M K + M F/P``: at P = 2 with F = F' = 4K, 3 MK
-instead of 4.5 MK. Every piece's backward runs once, so with a :class:`ClosedFormActivation`
-it writes dA over the piece's rows of A, act(A) freed before dY W2 is made
-(:func:`~ds_stpar.layers.activation.activation_backward`); a second backward through the
-same graph is then refused by autograd's in-place check. Communication volume equals
-Megatron's all-gather / reduce-scatter minus the backward's re-gather of X: four streams of
-(P-1)/P of the activation instead of five.
+them saves the third activation stream a memory-lean backward would need; the own chunk is
+the input itself, the others land in one ``[(P-1) M/P, K]`` buffer) and the pre-activation A
+(``[M, F/P]``), not act(A): the activation is recomputed per piece, one elementwise pass.
+Against Megatron TP+SP, which saves X's own chunk, A and act(A) (``M K/P + M F/P + M F'/P``),
+this holds ``M K + M F/P``: at P = 2 with F = F' = 4K, 3 MK instead of 4.5 MK. Every piece's
+backward runs once, so dA goes over the piece's rows of A (a :class:`ClosedFormActivation`
+computes it there, act(A) freed before dY W2 is made:
+:func:`~ds_stpar.layers.activation.activation_backward`; any other callable's dA is copied
+over); a second backward through the same graph is then refused by autograd's in-place
+check. With dA kept that way, dW1 needs no step of its own in the ring: it is made after the
+rotation's spare and the pieces' activations are gone, so the ring's buffers and dW1 never
+meet (at P = 2 and T = h, the backward's peak above its inputs fell from 20 to 17
+``[M/P, K]`` blocks, and the h 8192 / 8K block's peak from 0.94x to 0.83x Megatron's;
+BENCHMARKS.md, twenty-fifth session). The price: the ring's hops hide behind three GEMMs of a
+piece rather than four. Into a ``main_grad`` (gradient_accumulation_fusion), where dW1
+allocates nothing, it is accumulated piece by piece in the ring, beside the hops, as
+before. Communication volume equals Megatron's all-gather / reduce-scatter
+minus the backward's re-gather of X: four streams of (P-1)/P of the activation instead of
+five.
 
 **Two passes**, :func:`ring_two_pass_mlp`: fc1's column pass, act, fc2's row pass
 (``ring.py``'s passes, each hop beside its own linear's sub-GEMM only), in one autograd node
@@ -73,16 +84,21 @@ def _piece_bounds(rows: int, count: int) -> list[tuple[int, int]]:
 def _accumulate_around_ring(
     group: Group,
     rotate: Tensor,
-    term: Callable[[int, Tensor, int, int], Tensor],
+    term: Callable[[int, Tensor, int, int, Tensor | None], Tensor],
     bounds: list[tuple[int, int]],
-    gathered: Tensor | None = None,
+    own: Tensor,
+    kept: Tensor | None = None,
+    last: Callable[[], None] | None = None,
 ) -> Tensor:
     """The schedule of the module docstring; partial sums travel in row pieces ``bounds``.
 
-    ``rotate``: this rank's chunk d ``[rows, ...]``; ``term(c, chunk_c, lo, hi)``: this rank's
-    term of the sum for rows ``lo:hi`` of chunk c, as a fresh tensor. ``gathered``:
-    ``[P * rows, ...]`` to keep every chunk in (chunk c lands in rows c); else two spare
-    buffers. Returns the complete sum for chunk d.
+    ``rotate``: this rank's chunk d ``[rows, ...]``; ``term(c, chunk_c, lo, hi, out)``: this
+    rank's term of the sum for rows ``lo:hi`` of chunk c, written into ``out`` when given,
+    else as a fresh tensor. ``own``: ``[rows, ...]``, where the complete sum for chunk d is
+    built and returned. ``kept``: ``[(P - 1) rows, ...]`` to keep the other chunks in (the
+    one of step t >= 1 in rows t - 1); else one spare buffer per hop in flight, freed before
+    the own chunk's last rows are computed. ``last()``: work queued after those rows, while
+    the last partial sums travel.
 
     Order of the work: this rank's own chunk but its last piece's rows (while the first hop
     travels), the pieces of the other chunks (each partial sum leaving when computed), then the
@@ -95,15 +111,17 @@ def _accumulate_around_ring(
     size, me = group.size(), group.rank()
     left, right = (me - 1) % size, (me + 1) % size
     rows = rotate.shape[0]
-    if gathered is not None:
-        gathered[me * rows : (me + 1) * rows].copy_(rotate)
-        slots = [gathered[c * rows : (c + 1) * rows] for c in range(size)]
-        landing = [slots[(me + t) % size] for t in range(size)]
+    if size == 1:
+        term(me, rotate, 0, rows, own)
+        if last is not None:
+            last()
+        return own
+    if kept is not None:
+        landing = [rotate] + [kept[(t - 1) * rows : t * rows] for t in range(1, size)]
     else:
         spares = [torch.empty_like(rotate) for _ in range(min(2, size - 1))]
         landing = [rotate] + [spares[t % 2] for t in range(size - 1)]
-    if size == 1:
-        return term(me, rotate, 0, rows)
+        del spares  # ``landing`` holds them, and lets them go below
 
     def start_rotation(step: int) -> PendingP2P:
         sends = [Message(landing[step], left, _ROTATE_TAG)]
@@ -111,8 +129,8 @@ def _accumulate_around_ring(
 
     rotation = start_rotation(0)
     tail = bounds[-1][0] if len(bounds) > 1 else rows  # own rows left for the end
-    own_parts = [term(me, rotate, 0, tail)]
-    inbox = [own_parts[0].new_empty((hi - lo, *own_parts[0].shape[1:])) for lo, hi in bounds]
+    term(me, rotate, 0, tail, own[:tail])
+    inbox = [own.new_empty((hi - lo, *own.shape[1:])) for lo, hi in bounds]
     incoming: list[PendingP2P | None] = [None] * len(bounds)
     for step in range(1, size):
         chunk = rotation.wait()[0]
@@ -120,7 +138,7 @@ def _accumulate_around_ring(
             rotation = start_rotation(step)
         here = (me + step) % size
         for i, (lo, hi) in enumerate(bounds):
-            partial = term(here, chunk, lo, hi)
+            partial = term(here, chunk, lo, hi, None)
             if incoming[i] is not None:
                 partial.add_(incoming[i].wait()[0])
             # The received piece was added (queued before this batch) so its buffer is free.
@@ -128,9 +146,13 @@ def _accumulate_around_ring(
             incoming[i] = start_p2p(
                 [Message(partial, left, tag)], [Message(inbox[i], right, tag)], group
             )
+    # The last chunk has been used: without ``kept`` its spare goes before the tail's term.
+    landing.clear()
+    del chunk, rotation, partial
     if tail < rows:
-        own_parts.append(term(me, rotate, tail, rows))
-    own = own_parts[0] if len(own_parts) == 1 else torch.cat(own_parts)
+        term(me, rotate, tail, rows, own[tail:])
+    if last is not None:
+        last()
     for (lo, hi), pending in zip(bounds, incoming, strict=True):
         own[lo:hi].add_(pending.wait()[0])
     return own
@@ -145,19 +167,21 @@ class _RingMLP(torch.autograd.Function):
         x_tokens = x_shard_m.reshape(-1, x_shard_m.shape[-1])
         rows = x_tokens.shape[0]
         bounds = _piece_bounds(rows, piece_count(rows, 2 * (w1.numel() + w2.numel()), *pieces))
-        x_all = x_tokens.new_empty(size * rows, x_tokens.shape[1])
+        x_kept = x_tokens.new_empty((size - 1) * rows, x_tokens.shape[1])
         a_all = x_tokens.new_empty(size * rows, w1.shape[0])
 
-        def term(c: int, x_c: Tensor, lo: int, hi: int) -> Tensor:
+        def term(c: int, x_c: Tensor, lo: int, hi: int, out: Tensor | None) -> Tensor:
             a = a_all[c * rows + lo : c * rows + hi]
             if b1 is None:
                 torch.mm(x_c[lo:hi], w1.t(), out=a)
             else:
                 torch.addmm(b1, x_c[lo:hi], w1.t(), out=a)
-            return act(a) @ w2.t()
+            return torch.mm(act(a), w2.t(), out=out)
 
-        y_tokens = _accumulate_around_ring(group, x_tokens, term, bounds, gathered=x_all)
-        ctx.save_for_backward(x_all, a_all, w1, b1, w2)
+        y_tokens = _accumulate_around_ring(
+            group, x_tokens, term, bounds, x_tokens.new_empty(rows, w2.shape[0]), x_kept
+        )
+        ctx.save_for_backward(x_tokens, x_kept, a_all, w1, b1, w2)
         ctx.act, ctx.group, ctx.bounds = act, group, bounds
         ctx.main_grads = (main_grad1, main_grad2)
         ctx.x_shape = x_shard_m.shape
@@ -165,7 +189,8 @@ class _RingMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
-        x_all, a_all, w1, b1, w2 = ctx.saved_tensors
+        x_tokens, x_kept, a_all, w1, b1, w2 = ctx.saved_tensors
+        size, me = ctx.group.size(), ctx.group.rank()
         need_dx, need_dw1, need_db1, need_dw2 = ctx.needs_input_grad[:4]
         dy_tokens = grad_output.contiguous().view(-1, w2.shape[0])
         rows = dy_tokens.shape[0]
@@ -178,23 +203,43 @@ class _RingMLP(torch.autograd.Function):
             else None
         )
 
+        # dW1 into a main_grad allocates nothing: its GEMMs stay beside the ring's hops
+        fc1_in_ring = wgrad1 is not None and wgrad1.main_grad is not None
+
+        def x_chunk(c: int) -> Tensor:
+            return x_tokens if c == me else x_kept[((c - me) % size - 1) * rows :][:rows]
+
         def grad_pre_activation(c: int, dy_c: Tensor, lo: int, hi: int) -> Tensor:
-            """dA for rows lo:hi of chunk c, accumulating this rank's weight and bias grads;
-            each rows' backward runs once, so a closed form writes dA over their A."""
-            at = slice(c * rows + lo, c * rows + hi)
-            da = activation_backward(ctx.act, a_all[at], dy_c[lo:hi], w2, wgrad2)
-            if wgrad1 is not None:
-                wgrad1.add(da, x_all[at])
+            """dA for rows lo:hi of chunk c, over their A (each rows' backward runs once; a
+            closed form computes it there), accumulating dW2, db1 and, into a main_grad,
+            dW1."""
+            a = a_all[c * rows + lo : c * rows + hi]
+            da = activation_backward(ctx.act, a, dy_c[lo:hi], w2, wgrad2)
+            if da is not a:
+                a.copy_(da)
+            if fc1_in_ring:
+                wgrad1.add(a, x_chunk(c)[lo:hi])
             if db1 is not None:
-                db1.add_(da.sum(0, dtype=db1.dtype))
-            return da
+                db1.add_(a.sum(0, dtype=db1.dtype))
+            return a
+
+        def fc1_weight_grad() -> None:
+            """dW1 = dA^T X over every chunk, once dA is all written over A: a new tensor is
+            made after the ring's buffers are gone (module docstring)."""
+            if wgrad1 is not None and not fc1_in_ring:
+                for c in range(size):
+                    wgrad1.add(a_all[c * rows : (c + 1) * rows], x_chunk(c))
 
         if need_dx:
             dx_tokens = _accumulate_around_ring(
                 ctx.group,
                 dy_tokens,
-                lambda c, dy_c, lo, hi: grad_pre_activation(c, dy_c, lo, hi) @ w1,
+                lambda c, dy_c, lo, hi, out: torch.mm(
+                    grad_pre_activation(c, dy_c, lo, hi), w1, out=out
+                ),
                 ctx.bounds,
+                dy_tokens.new_empty(rows, w1.shape[1]),
+                last=fc1_weight_grad,
             )
             dx = dx_tokens.view(ctx.x_shape)
         else:
@@ -203,9 +248,10 @@ class _RingMLP(torch.autograd.Function):
                 rotate=dy_tokens,
                 visit=lambda c, dy_c: grad_pre_activation(c, dy_c, 0, rows),
             )
+            fc1_weight_grad()
             dx = None
-        dw1 = wgrad1.result(x_all.dtype) if wgrad1 is not None else None
-        dw2 = wgrad2.result(x_all.dtype) if wgrad2 is not None else None
+        dw1 = wgrad1.result(x_tokens.dtype) if wgrad1 is not None else None
+        dw2 = wgrad2.result(x_tokens.dtype) if wgrad2 is not None else None
         db1 = db1.to(b1.dtype) if db1 is not None else None
         return dx, dw1, db1, dw2, None, None, None, None, None
 
@@ -228,9 +274,9 @@ def ring_mlp(
     maps ``[..., F/P] -> [..., F'/P]`` (a GLU halves it). ``main_grad1/2``: accumulate the
     weight gradients there in fp32 (Megatron's gradient_accumulation_fusion). Chunks travel in
     at most ``pieces`` row pieces of at least ``min_piece_flop`` forward GEMM FLOPs each
-    (``min_piece_flop`` <= 0: exactly ``pieces``). With a :class:`ClosedFormActivation` the
-    backward writes dA over the saved A, so a second backward through the same graph
-    (``retain_graph=True``) is refused by autograd's in-place check."""
+    (``min_piece_flop`` <= 0: exactly ``pieces``). The backward writes dA over the saved A,
+    so a second backward through the same graph (``retain_graph=True``) is refused by
+    autograd's in-place check."""
     return _RingMLP.apply(
         x_shard_m.contiguous(),
         w1,

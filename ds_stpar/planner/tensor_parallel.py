@@ -156,41 +156,45 @@ def fused_ring_mlp(
 ) -> tuple[Phase, Phase, float]:
     """(GEMM seconds, exposed comm seconds, one hop's seconds) of the MLP as one fused ring
     pass (``layers/ring_mlp.py``), P = t, k pieces (:func:`ring_mlp_pieces`), g = a chunk's
-    work (both GEMMs forward; their dgrad + wgrad backward), H = one ``T/P x h`` hop.
+    work in the ring (both GEMMs forward; both dgrads and fc2's wgrad backward), H = one
+    ``T/P x h`` hop.
 
     Each pass (forward: X rotates, partial sums of Y travel; backward: dY rotates, partial
     sums of dX travel) runs the own chunk but its last piece beside the first rotation hop,
     then P - 1 chunk steps whose partial sums (and, but for the last step, the next rotation:
     two hops on the link) leave piece by piece beside that step's work, the own last piece
-    covering the final partial sum::
+    and, in the backward, fc1's wgrad over all T tokens (w, made after the ring, as without
+    gradient_accumulation_fusion, which the GPU loop leaves off) covering the final partial
+    sum::
 
-        exposed = beside(H, g (k-1)/k) + sum_{t=1}^{P-1} beside(hops_t H, g)
+        exposed = beside(H, g (k-1)/k) + sum_{t=1}^{P-1} beside(hops_t H, g + [t = P-1] w)
 
     with ``beside`` as the ring's (module docstring); with k = 1 the last step's partial sum
-    has no work beside it. The backward does not rotate X (the forward kept the chunks), and
-    recomputes act(A) for all T tokens: one more elementwise pass reading fc1's output (e f/t,
-    GLU 2 e f/t) and writing act(A) (e f/t), counted with the backward GEMMs."""
+    has no chunk work beside it. The backward does not rotate X (the forward kept the chunks),
+    and recomputes act(A) for all T tokens: one more elementwise pass reading fc1's output
+    (e f/t, GLU 2 e f/t) and writing act(A) (e f/t), counted with the backward GEMMs."""
     _, _, fc1, fc2 = block_linears(model)
     p, chunk = tp, tokens / tp
     k = ring_mlp_pieces(model, tokens, tp)
     steps = (Gemm(chunk, fc1.n / p, fc1.k), Gemm(chunk, fc2.n, fc2.k / p))
     g_fwd = speed.gemms(list(steps))
-    g_bwd = speed.gemms([back for s in steps for back in (s.dgrad(), s.wgrad())])
+    g_ring = speed.gemms([steps[0].dgrad(), steps[1].dgrad(), steps[1].wgrad()])
+    fc1_wgrad = p * speed.gemms([steps[0].wgrad()])
     hop = hop_link.p2p(speed.e * chunk * model.hidden_size)
 
-    def exposed(g: float) -> float:
+    def exposed(g: float, after: float) -> float:
         head = g * (k - 1) / k if k > 1 else g
         total = _beside(hop, head, overlap)
         for t in range(1, p):
             hops = 2 if t < p - 1 else 1
             window = g if (k > 1 or t < p - 1) else 0.0
-            total += _beside(hops * hop, window, overlap)
+            total += _beside(hops * hop, window + (after if t == p - 1 else 0.0), overlap)
         return total
 
     recompute = speed.elementwise(speed.e * tokens * (fc1.n + fc2.k) / p)
-    gemm = Phase(p * g_fwd, p * g_bwd + recompute)
+    gemm = Phase(p * g_fwd, p * g_ring + fc1_wgrad + recompute)
     floor = speed.cal.ring_mlp_pass_s
-    return gemm, Phase(max(exposed(g_fwd), floor), max(exposed(g_bwd), floor)), hop
+    return gemm, Phase(max(exposed(g_fwd, 0.0), floor), max(exposed(g_ring, fc1_wgrad), floor)), hop
 
 
 def ring_block(
