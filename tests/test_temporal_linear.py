@@ -267,8 +267,8 @@ def check_ring_mlp(
     float64: fc1 + bias -> activation -> fc2 (its bias is the caller's). ``pieces`` > 1 cuts
     each partial-sum hop of the fused pass into row pieces (pieces of one row allowed here, so
     the 4-8 rows of a chunk give uneven pieces). ``closed_form``: the activation as the
-    ``ClosedFormActivation`` StparMLP passes (dA from autograd's kernel, over A in the two
-    passes) instead of a plain callable (a nested autograd graph)."""
+    ``ClosedFormActivation`` StparMLP passes (dA from autograd's kernel, computed over A)
+    instead of a plain callable (a nested autograd graph, dA copied over A)."""
     size, me = group.size(), group.rank()
     fc1_out, stride = (2 * FFN, 2) if glu else (FFN, 1)
     fc1 = _column(group, "ring", seed, out=fc1_out, stride=stride, fusion=fusion)
@@ -512,6 +512,8 @@ def _all_layer_checks(group, mode, seed) -> None:
         check_ring_mlp(
             group, seed + 2200, glu=True, fusion=False, pieces=1, dx=False, closed_form=True
         )
+        # into main_grad the fused pass's dW1 stays in the ring: with and without dX
+        check_ring_mlp(group, seed + 2300, glu=False, fusion=True, pieces=2, dx=False)
 
 
 def _worker(rank: int, world_size: int) -> None:
@@ -528,6 +530,7 @@ def _worker(rank: int, world_size: int) -> None:
     check_column(single, "ring", 70_000 + rank)
     check_row(single, "ring", 71_000 + rank)
     check_ring_mlp(single, 72_000 + rank, glu=True, fusion=False, pieces=2)
+    check_ring_mlp(single, 74_000 + rank, glu=False, fusion=True, pieces=1)
     check_ring_mlp(single, 73_000 + rank, glu=True, fusion=False, pieces=1, two_pass=True)
     check_a_second_backward_over_da_is_refused(single)
     check_a_second_backward_over_da_is_refused(pair)

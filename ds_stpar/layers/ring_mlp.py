@@ -36,8 +36,8 @@ computes it there, act(A) freed before dY W2 is made:
 :func:`~ds_stpar.layers.activation.activation_backward`; any other callable's dA is copied
 over); a second backward through the same graph is then refused by autograd's in-place
 check. With dA kept that way, dW1 needs no step of its own in the ring: it is made after the
-rotation's spare and the pieces' activations are gone, so the ring's buffers and dW1 never
-meet (at P = 2 and T = h, the backward's peak above its inputs fell from 20 to 17
+rotation's spare chunk and the pieces' recomputed activations are gone, so those never meet
+dW1; the partial-sum inbox and the last partial sums in flight do (at P = 2 and T = h, the backward's peak above its inputs fell from 20 to 17
 ``[M/P, K]`` blocks, and the h 8192 / 8K block's peak from 0.94x to 0.83x Megatron's;
 BENCHMARKS.md, twenty-fifth session). The price: the ring's hops hide behind three GEMMs of a
 piece rather than four. Into a ``main_grad`` (gradient_accumulation_fusion), where dW1
@@ -84,7 +84,7 @@ def _piece_bounds(rows: int, count: int) -> list[tuple[int, int]]:
 def _accumulate_around_ring(
     group: Group,
     rotate: Tensor,
-    term: Callable[[int, Tensor, int, int, Tensor | None], Tensor],
+    term: Callable[[int, Tensor, int, int, Tensor], Tensor],
     bounds: list[tuple[int, int]],
     own: Tensor,
     kept: Tensor | None = None,
@@ -93,12 +93,13 @@ def _accumulate_around_ring(
     """The schedule of the module docstring; partial sums travel in row pieces ``bounds``.
 
     ``rotate``: this rank's chunk d ``[rows, ...]``; ``term(c, chunk_c, lo, hi, out)``: this
-    rank's term of the sum for rows ``lo:hi`` of chunk c, written into ``out`` when given,
-    else as a fresh tensor. ``own``: ``[rows, ...]``, where the complete sum for chunk d is
-    built and returned. ``kept``: ``[(P - 1) rows, ...]`` to keep the other chunks in (the
-    one of step t >= 1 in rows t - 1); else one spare buffer per hop in flight, freed before
-    the own chunk's last rows are computed. ``last()``: work queued after those rows, while
-    the last partial sums travel.
+    rank's term of the sum for rows ``lo:hi`` of chunk c, written into ``out`` (``own``'s
+    dtype: every partial sum sent and received is, under autocast too). ``own``:
+    ``[rows, ...]``, where the complete sum for chunk d is built and returned. ``kept``:
+    ``[(P - 1) rows, ...]`` to keep the other chunks in (the one of step t >= 1 in row block
+    t - 1); else min(2, P - 1) spare buffers taken in turn, freed before the own chunk's last
+    rows are computed. ``last()``: work queued after those rows, while the last partial sums
+    travel.
 
     Order of the work: this rank's own chunk but its last piece's rows (while the first hop
     travels), the pieces of the other chunks (each partial sum leaving when computed), then the
@@ -138,7 +139,7 @@ def _accumulate_around_ring(
             rotation = start_rotation(step)
         here = (me + step) % size
         for i, (lo, hi) in enumerate(bounds):
-            partial = term(here, chunk, lo, hi, None)
+            partial = term(here, chunk, lo, hi, own.new_empty((hi - lo, *own.shape[1:])))
             if incoming[i] is not None:
                 partial.add_(incoming[i].wait()[0])
             # The received piece was added (queued before this batch) so its buffer is free.
@@ -170,7 +171,7 @@ class _RingMLP(torch.autograd.Function):
         x_kept = x_tokens.new_empty((size - 1) * rows, x_tokens.shape[1])
         a_all = x_tokens.new_empty(size * rows, w1.shape[0])
 
-        def term(c: int, x_c: Tensor, lo: int, hi: int, out: Tensor | None) -> Tensor:
+        def term(c: int, x_c: Tensor, lo: int, hi: int, out: Tensor) -> Tensor:
             a = a_all[c * rows + lo : c * rows + hi]
             if b1 is None:
                 torch.mm(x_c[lo:hi], w1.t(), out=a)
@@ -207,7 +208,10 @@ class _RingMLP(torch.autograd.Function):
         fc1_in_ring = wgrad1 is not None and wgrad1.main_grad is not None
 
         def x_chunk(c: int) -> Tensor:
-            return x_tokens if c == me else x_kept[((c - me) % size - 1) * rows :][:rows]
+            if c == me:
+                return x_tokens
+            block = (c - me) % size - 1  # chunk c arrived at step (c - me) % P
+            return x_kept[block * rows : (block + 1) * rows]
 
         def grad_pre_activation(c: int, dy_c: Tensor, lo: int, hi: int) -> Tensor:
             """dA for rows lo:hi of chunk c, over their A (each rows' backward runs once; a
@@ -215,7 +219,7 @@ class _RingMLP(torch.autograd.Function):
             dW1."""
             a = a_all[c * rows + lo : c * rows + hi]
             da = activation_backward(ctx.act, a, dy_c[lo:hi], w2, wgrad2)
-            if da is not a:
+            if da is not a:  # dW1 after the ring reads it there; a second backward is refused
                 a.copy_(da)
             if fc1_in_ring:
                 wgrad1.add(a, x_chunk(c)[lo:hi])
