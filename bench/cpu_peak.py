@@ -8,9 +8,11 @@ torch.profiler's memory recording and prints, on rank 0, the most bytes alive ab
 allocated before the step, in units of one ``[tokens/P, hidden]`` block (the input chunk X;
 ``--tokens`` = ``--hidden`` gives a weight shard of 4 blocks at P = 2, the proportions of
 h 8192 / 8K tokens, where the GPU's 17 blocks were 1.0625 GiB). Rows: the two-pass MLP and the
-fused pass, each with the activation as a plain callable (a nested autograd graph; the two
-passes copy dA over A) and as the ``ClosedFormActivation`` StparMLP passes (dA written over
-A). BENCHMARKS.md, eighteenth and nineteenth sessions.
+fused pass, each with the activation as a plain callable (a nested autograd graph; dA then
+copied over A) and as the ``ClosedFormActivation`` StparMLP passes (dA written over A). The
+fused pass sends its partial sums in one row piece here; ``peak_blocks(..., pieces=4)``
+counts four, as the GPU cuts them at h 8192 / 8K. BENCHMARKS.md, eighteenth, nineteenth and
+twenty-fifth sessions.
 """
 
 from __future__ import annotations

@@ -927,8 +927,8 @@ def test_fused_ring_mlp_layer_with_dw1_after_the_ring_over_the_slow_link():
     # as one fused pass ("ring") and Megatron TP2+SP, over the slow link: call 148 (3 steps a
     # case), but for the ring at h 8192 / 8K, whose call-148 steps ran 51.7, 53.9 and 43.3 ms,
     # taken from call 149's two runs of 10 steps (43.42 and 43.35 ms). Every estimate within
-    # 10%: measured -5.3% to +6.6%; the planner prices the moved dW1 at +1% at h 4096 and 0
-    # at h 8192, where the backward's hops still hide behind the other three GEMMs.
+    # 10%: measured -5.3% to +6.6%; the planner prices the moved dW1 at up to +1% at h 4096
+    # and 0 at h 8192, where the backward's hops still hide behind the other three GEMMs.
     matrix = json.loads((DW1_AFTER_RING / "call148" / "slow.json").read_text())
     measured = {
         (r["variant"], r["hidden"], r["tokens"]): r["ms"]

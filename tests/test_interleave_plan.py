@@ -5,7 +5,7 @@ loop treat it.
 Measured: ``bench/layers.py`` TransformerLayer fwd + bwd (no bias, GeLU, SDPA, sequences of
 4096), Megatron TP2 + SP, the ring with the fused MLP and the interleaved layer of 2 and 4
 pieces, in one invocation per link: 2 x H100 (sixteenth session, call 76; over the slow link
-again in the twenty-fourth session, call 144) and 2 x H200 (nineteenth session, call 99); and
+again in the twenty-fourth and twenty-fifth sessions, calls 144 and 148) and 2 x H200 (nineteenth session, call 99); and
 a block of 4 such layers (``--layers 4``, 2 x H200, twenty-first session, call 110). Links:
 each card's link benchmark (``Profile.from_layers_benchmark``), as ``tests/test_cost.py``
 reads them.
@@ -99,7 +99,7 @@ def test_slow_link_interleaved_layer_within_ten_percent_and_ranked_first(gpu, ru
     # Megatron's too, is 1.5-9% over, this host's slow link priced slow; +0.9% to +8.8% in
     # call 148, Megatron's -5.3% to +4.5%), and the planner ranks it ahead of Megatron TP2 + SP
     # and the ring with the fused MLP in every case, as measured (1.18-1.42x Megatron on H200,
-    # 1.15-1.41x on H100, 1.19-1.43x in call 144, 1.17-1.40x in call 148).
+    # 1.15-1.41x on H100, 1.19-1.43x in call 144, 1.16-1.40x in call 148).
     # 4 pieces: within 10% too, but the model, which does not price a piece's fixed costs,
     # puts them 4-5% ahead of 2 pieces where they ran 0.5-13% behind: the search tries 2
     # pieces only.
