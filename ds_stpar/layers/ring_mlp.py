@@ -84,7 +84,7 @@ def _piece_bounds(rows: int, count: int) -> list[tuple[int, int]]:
 def _accumulate_around_ring(
     group: Group,
     rotate: Tensor,
-    term: Callable[[int, Tensor, int, int, Tensor], Tensor],
+    term: Callable[[int, Tensor, int, int, Tensor | None], Tensor],
     bounds: list[tuple[int, int]],
     own: Tensor,
     kept: Tensor | None = None,
@@ -93,8 +93,9 @@ def _accumulate_around_ring(
     """The schedule of the module docstring; partial sums travel in row pieces ``bounds``.
 
     ``rotate``: this rank's chunk d ``[rows, ...]``; ``term(c, chunk_c, lo, hi, out)``: this
-    rank's term of the sum for rows ``lo:hi`` of chunk c, written into ``out`` (``own``'s
-    dtype: every partial sum sent and received is, under autocast too). ``own``:
+    rank's term of the sum for rows ``lo:hi`` of chunk c, written into ``out`` when given,
+    else as a fresh tensor (made by the term's last op, after its temporaries, and received
+    into a buffer like it: under autocast its dtype may not be ``own``'s). ``own``:
     ``[rows, ...]``, where the complete sum for chunk d is built and returned. ``kept``:
     ``[(P - 1) rows, ...]`` to keep the other chunks in (the one of step t >= 1 in row block
     t - 1); else min(2, P - 1) spare buffers taken in turn, freed before the own chunk's last
@@ -131,7 +132,7 @@ def _accumulate_around_ring(
     rotation = start_rotation(0)
     tail = bounds[-1][0] if len(bounds) > 1 else rows  # own rows left for the end
     term(me, rotate, 0, tail, own[:tail])
-    inbox = [own.new_empty((hi - lo, *own.shape[1:])) for lo, hi in bounds]
+    inbox: list[Tensor | None] = [None] * len(bounds)
     incoming: list[PendingP2P | None] = [None] * len(bounds)
     for step in range(1, size):
         chunk = rotation.wait()[0]
@@ -139,9 +140,11 @@ def _accumulate_around_ring(
             rotation = start_rotation(step)
         here = (me + step) % size
         for i, (lo, hi) in enumerate(bounds):
-            partial = term(here, chunk, lo, hi, own.new_empty((hi - lo, *own.shape[1:])))
+            partial = term(here, chunk, lo, hi, None)
             if incoming[i] is not None:
                 partial.add_(incoming[i].wait()[0])
+            if inbox[i] is None:
+                inbox[i] = torch.empty_like(partial)
             # The received piece was added (queued before this batch) so its buffer is free.
             tag = _ROTATE_TAG + 1 + i
             incoming[i] = start_p2p(
@@ -171,7 +174,7 @@ class _RingMLP(torch.autograd.Function):
         x_kept = x_tokens.new_empty((size - 1) * rows, x_tokens.shape[1])
         a_all = x_tokens.new_empty(size * rows, w1.shape[0])
 
-        def term(c: int, x_c: Tensor, lo: int, hi: int, out: Tensor) -> Tensor:
+        def term(c: int, x_c: Tensor, lo: int, hi: int, out: Tensor | None) -> Tensor:
             a = a_all[c * rows + lo : c * rows + hi]
             if b1 is None:
                 torch.mm(x_c[lo:hi], w1.t(), out=a)
