@@ -13,6 +13,12 @@ The fused pass keeps the X chunks of the other ranks (P - 1; its own is the inpu
 At its peak (dW1, made once the ring's last partial sums are on their way) it holds Y (1),
 those chunks (P - 1), dA over A (4), dW2 (4), dW1 (4), its own chunk's dX (1), the partial-sum
 inbox (1) and the partial sums in flight (1), whether they travel in one row piece or four.
+With more tokens than hidden (T = 4h: a weight shard is 1 block) the peak comes at the last
+ring step's last piece of four, before dW1 exists: Y (1), the other chunks (P - 1), A (4),
+its own dX (1), the spare dY chunks (min(2, P - 1)), dW2 (1), the three pieces' partial sums
+in flight (3/4), their inbox (3/4 at P = 2, where it is made as the pieces leave; the whole
+1 at P > 2, made in the first step) and that piece's dY W2 (1/2). A partial-sum buffer made
+before its piece's temporaries adds a quarter block there (2f01dcb did).
 Before dW1 moved out of the ring (twenty-fifth session) the peak was at a chunk's recomputed
 act(A) with dW1 alive beside the rotation's spare chunks: 20 blocks at P = 2 with one piece,
 and before the closed form wrote dA over A (nineteenth session), when act(A), dA and fc2's
@@ -43,6 +49,10 @@ def _worker(rank: int, world_size: int) -> None:
         for pieces in (1, 4):
             blocks = cpu_peak.peak_blocks(group, 64, 64, "fused-closed-form", pieces)
             assert blocks == fused, (size, pieces, blocks, fused)
+        inbox = 3 / 4 if size == 2 else 1
+        long_rows = 1 + (size - 1) + 4 + 1 + min(2, size - 1) + 1 + 3 / 4 + inbox + 1 / 2
+        blocks = cpu_peak.peak_blocks(group, 64, 256, "fused-closed-form", 4)
+        assert blocks == long_rows, (size, blocks, long_rows)
         assert cpu_peak.peak_blocks(group, 64, 64, "fused") >= fused
 
 
