@@ -2,13 +2,13 @@
 layer benchmark, and how the strategy, rules, search, Megatron-LM environment and training
 loop treat it.
 
-Measured: ``bench/layers.py`` TransformerLayer fwd + bwd (no bias, GeLU, SDPA, sequences of
-4096), Megatron TP2 + SP, the ring with the fused MLP and the interleaved layer of 2 and 4
-pieces, in one invocation per link: 2 x H100 (sixteenth session, call 76; over the slow link
-again in the twenty-fourth and twenty-fifth sessions, calls 144 and 148) and 2 x H200 (nineteenth session, call 99); and
-a block of 4 such layers (``--layers 4``, 2 x H200, twenty-first session, call 110). Links:
-each card's link benchmark (``Profile.from_layers_benchmark``), as ``tests/test_cost.py``
-reads them.
+Measured: ``bench/layers.py`` TransformerLayer fwd + bwd (no bias, GeLU, SDPA, sequences of 4096),
+Megatron TP2 + SP, the ring with the fused MLP and the interleaved layer of 2 and 4 pieces, in one
+invocation per link: 2 x H100 (sixteenth session, call 76; over the slow link again in the
+twenty-fourth and twenty-fifth sessions, calls 144 and 148) and 2 x H200 (nineteenth session, call
+99); and a block of 4 such layers (``--layers 4``, 2 x H200, twenty-first session, call 110). Links:
+each card's link benchmark (``Profile.from_layers_benchmark``), as ``tests/test_cost.py`` reads
+them.
 """
 
 from __future__ import annotations

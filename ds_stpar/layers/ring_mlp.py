@@ -25,26 +25,24 @@ of M/P rows), rank d of P, F = fc1's output features (2f for a GLU), F' = fc2's 
               then, while the last partial sums travel, dW1_d = sum_c dA[c]^T X[c] (into a
               main_grad: dW1_d += dA^T X[c] piece by piece, in the ring).
 
-Saved for backward: every X chunk (``[M, K]``, they all passed through in the forward; keeping
-them saves the third activation stream a memory-lean backward would need; the own chunk is
-the input itself, the others land in one ``[(P-1) M/P, K]`` buffer) and the pre-activation A
-(``[M, F/P]``), not act(A): the activation is recomputed per piece, one elementwise pass.
-Against Megatron TP+SP, which saves X's own chunk, A and act(A) (``M K/P + M F/P + M F'/P``),
-this holds ``M K + M F/P``: at P = 2 with F = F' = 4K, 3 MK instead of 4.5 MK. Every piece's
-backward runs once, so dA goes over the piece's rows of A (a :class:`ClosedFormActivation`
-computes it there, act(A) freed before dY W2 is made:
-:func:`~ds_stpar.layers.activation.activation_backward`; any other callable's dA is copied
-over); a second backward through the same graph is then refused by autograd's in-place
-check. With dA kept that way, dW1 needs no step of its own in the ring: it is made after the
-rotation's spare chunk and the pieces' recomputed activations are gone, so those never meet
-dW1; the partial-sum inbox and the last partial sums in flight do (at P = 2 and T = h, the backward's peak above its inputs fell from 20 to 17
-``[M/P, K]`` blocks, and the h 8192 / 8K block's peak from 0.94x to 0.83x Megatron's;
-BENCHMARKS.md, twenty-fifth session). The price: the ring's hops hide behind three GEMMs of a
-piece rather than four. Into a ``main_grad`` (gradient_accumulation_fusion), where dW1
-allocates nothing, it is accumulated piece by piece in the ring, beside the hops, as
-before. Communication volume equals Megatron's all-gather / reduce-scatter
-minus the backward's re-gather of X: four streams of (P-1)/P of the activation instead of
-five.
+Saved for backward: every X chunk (``[M, K]``, they all passed through in the forward; keeping them
+saves the third activation stream a memory-lean backward would need; the own chunk is the input
+itself, the others land in one ``[(P-1) M/P, K]`` buffer) and the pre-activation A (``[M, F/P]``),
+not act(A): the activation is recomputed per piece, one elementwise pass. Against Megatron TP+SP,
+which saves X's own chunk, A and act(A) (``M K/P + M F/P + M F'/P``), this holds ``M K + M F/P``: at
+P = 2 with F = F' = 4K, 3 MK instead of 4.5 MK. Every piece's backward runs once, so dA goes over
+the piece's rows of A (a :class:`ClosedFormActivation` computes it there, act(A) freed before dY W2
+is made: :func:`~ds_stpar.layers.activation.activation_backward`; any other callable's dA is copied
+over); a second backward through the same graph is then refused by autograd's in-place check. With
+dA kept that way, dW1 needs no step of its own in the ring: it is made after the rotation's spare
+chunk and the pieces' recomputed activations are gone, so those never meet dW1; the partial-sum
+inbox and the last partial sums in flight do (at P = 2 and T = h, the backward's peak above its
+inputs fell from 20 to 17 ``[M/P, K]`` blocks, and the h 8192 / 8K block's peak from 0.94x to 0.83x
+Megatron's; BENCHMARKS.md, twenty-fifth session). The price: the ring's hops hide behind three GEMMs
+of a piece rather than four. Into a ``main_grad`` (gradient_accumulation_fusion), where dW1
+allocates nothing, it is accumulated piece by piece in the ring, beside the hops, as before.
+Communication volume equals Megatron's all-gather / reduce-scatter minus the backward's re-gather of
+X: four streams of (P-1)/P of the activation instead of five.
 
 **Two passes**, :func:`ring_two_pass_mlp`: fc1's column pass, act, fc2's row pass
 (``ring.py``'s passes, each hop beside its own linear's sub-GEMM only), in one autograd node
