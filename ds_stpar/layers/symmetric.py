@@ -27,8 +27,9 @@ on one host whose GPUs all reach each other (``torch.cuda.can_device_access_peer
 every pair; ranks that see their peers under the same device index, one GPU per process,
 are not taken to), unless ``NCCL_P2P_DISABLE=1`` says peer links are not to be used; the
 ranks agree on it once per group (collective: a gather of host names and device indices,
-a MIN all-reduce of the verdicts), so they all take the same transport. A barrier that waits longer than
-:data:`BARRIER_TIMEOUT_MS` (a rank gone) stops the kernel with an error instead of hanging.
+a MIN all-reduce of the verdicts), so they all take the same transport. A barrier that waits
+longer than :data:`BARRIER_TIMEOUT_MS` (a rank gone) stops the kernel with an error instead
+of hanging.
 CPU groups (gloo) always use ``start_p2p``. Measured over NVLink: on 2 x H100 the two-pass
 ring's layer blocks and MLP blocks ran faster with the copy engines than with NCCL in 29 of
 32 paired runs, and a whole gpt3-2.7b's step went from 0.84x to 0.94x Megatron's
