@@ -11,7 +11,8 @@
 - :class:`SequenceParallelNorm` — LayerNorm/RMSNorm that accepts ``sequence_parallel=True``.
   Megatron's ``WrappedTorchNorm`` refuses it. Under SP every TP rank normalises its own s/t
   tokens, so the norm weight gradient is a partial sum: the ``sequence_parallel`` attribute
-  on the parameters makes Megatron's ``finalize_model_grads`` all-reduce it over TP.
+  on the parameters makes Megatron's ``finalize_model_grads`` all-reduce it over TP. Its
+  outputs carry their recipe (``norm_recipe``), so the ring's column passes need not keep them.
 
 Shapes follow Megatron: queries [s, b, heads/t, d], keys/values [s, b, groups/t, d], output
 [s, b, heads/t * d].
@@ -30,6 +31,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
+from ds_stpar.layers.norm_recipe import MarkedLayerNorm, MarkedRMSNorm
 from ds_stpar.planner.memory import FLASH_HEAD_DIM_MULTIPLE
 
 
@@ -188,17 +190,19 @@ def varlen_causal(
 class SequenceParallelNorm:
     """``config.normalization`` (LayerNorm or RMSNorm) over the last dim, SP-aware.
 
-    Like Megatron's ``WrappedTorchNorm`` it returns a plain torch norm (so parameter names
-    match the local spec: ``input_layernorm.weight``), but it accepts sequence parallelism.
+    Like Megatron's ``WrappedTorchNorm`` it returns a torch norm (so parameter names match
+    the local spec: ``input_layernorm.weight``), but it accepts sequence parallelism. The norm
+    marks its outputs with their recipe (``norm_recipe``): the ring's column linears and MLPs
+    keep the norm's input instead and make the output again in their backward.
     """
 
     def __new__(
         cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused
     ) -> torch.nn.Module:
         if config.normalization == "LayerNorm":
-            norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+            norm = MarkedLayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
         elif config.normalization == "RMSNorm":
-            norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+            norm = MarkedRMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
         else:
             raise ValueError(f"unsupported normalization {config.normalization!r}")
         for param in norm.parameters():

@@ -22,8 +22,9 @@ two-pass node (``ring_mlp.ring_two_pass_mlp``), which composes these passes.
 
 Versus Megatron TP+SP: the all-gather / reduce-scatter become P-1 neighbour hops of the same
 volume ((P-1)/P of the activation) of which only the first is exposed, the rest hiding behind
-the sub-GEMMs; no all-reduce; the column saves only its local input chunk and never holds the
-gathered [M, K] input, the row never holds the [M, N] pre-reduction partial output.
+the sub-GEMMs; no all-reduce; the column saves only its local input chunk (none when the
+spec's norm made it: ``norm_recipe``) and never holds the gathered [M, K] input, the row never
+holds the [M, N] pre-reduction partial output.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from torch import Tensor
 
 from ds_stpar.layers.activation import Activation
 from ds_stpar.layers.comm import Group, ring_pass
+from ds_stpar.layers.norm_recipe import kept, norm_of, recipe_of, remade
 from ds_stpar.layers.wgrad import WeightGrad
 
 
@@ -99,16 +101,17 @@ class _RingColumnLinear(torch.autograd.Function):
     dX and a second rotation of X for the local dW (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, x_shard_m: Tensor, w_shard_n: Tensor, group: Group, main_grad):
+    def forward(ctx, x_shard_m: Tensor, w_shard_n: Tensor, group: Group, main_grad, recipe):
         x_tokens = x_shard_m.reshape(-1, x_shard_m.shape[-1])
         y_tokens = column_forward(x_tokens, w_shard_n, group)
-        ctx.save_for_backward(x_shard_m, w_shard_n)
-        ctx.group, ctx.main_grad = group, main_grad
+        ctx.save_for_backward(kept(x_shard_m, recipe), w_shard_n)
+        ctx.group, ctx.main_grad, ctx.norm = group, main_grad, norm_of(recipe)
         return y_tokens.view(group.size() * x_shard_m.shape[0], *x_shard_m.shape[1:-1], -1)
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
-        x_shard_m, w_shard_n = ctx.saved_tensors
+        saved_x, w_shard_n = ctx.saved_tensors
+        x_shard_m = remade(saved_x, ctx.norm)
         x_tokens = x_shard_m.reshape(-1, x_shard_m.shape[-1])
         dy_tokens = grad_output.contiguous().view(-1, w_shard_n.shape[0])
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -116,7 +119,7 @@ class _RingColumnLinear(torch.autograd.Function):
         dx_tokens = column_backward(x_tokens, w_shard_n, dy_tokens, ctx.group, need_dx, wgrad)
         dx = dx_tokens.view(x_shard_m.shape) if need_dx else None
         dw = wgrad.result(x_shard_m.dtype) if need_dw else None
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
 class _RingRowLinear(torch.autograd.Function):
@@ -161,9 +164,11 @@ def ring_column_linear(
     """[s/P, b, K] (sequence chunk d) x [N/P, K] -> [s, b, N/P]; see the module docstring.
 
     ``main_grad``: accumulate dW there in fp32 and return no weight gradient (Megatron's
-    gradient_accumulation_fusion); ``None`` returns dW as the gradient.
+    gradient_accumulation_fusion); ``None`` returns dW as the gradient. An ``x_shard_m``
+    marked by the spec's norm (``norm_recipe``) is not kept: its backward makes it again.
     """
-    return _RingColumnLinear.apply(x_shard_m.contiguous(), w_shard_n, group, main_grad)
+    recipe = recipe_of(x_shard_m)
+    return _RingColumnLinear.apply(x_shard_m.contiguous(), w_shard_n, group, main_grad, recipe)
 
 
 def ring_row_linear(

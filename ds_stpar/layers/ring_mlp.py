@@ -42,7 +42,9 @@ Megatron's; BENCHMARKS.md, twenty-fifth session). The price: the ring's hops hid
 of a piece rather than four. Into a ``main_grad`` (gradient_accumulation_fusion), where dW1
 allocates nothing, it is accumulated piece by piece in the ring, beside the hops, as before.
 Communication volume equals Megatron's all-gather / reduce-scatter minus the backward's re-gather of
-X: four streams of (P-1)/P of the activation instead of five.
+X: four streams of (P-1)/P of the activation instead of five. An input that the spec's norm made
+(``norm_recipe``) is not kept either: the own chunk is made again from the norm's input where dW1
+first needs it.
 
 **Two passes**, :func:`ring_two_pass_mlp`: fc1's column pass, act, fc2's row pass
 (``ring.py``'s passes, each hop beside its own linear's sub-GEMM only), in one autograd node
@@ -53,7 +55,8 @@ act(A), dact(A) and dA where Megatron's MLP holds A, act(A) and a whole dact(A)
 ``StparMLP`` passes for gelu, silu, relu, plain or gated) the chunk's act(A) is gone before
 its dA is computed, straight over A, so one chunk's dact(A) is all it holds beside A.
 Communication: the two linears' own (the column's backward rotates X again for dW, in its own
-pass after the dX accumulator's: ``ring.column_backward``).
+pass after the dX accumulator's: ``ring.column_backward``). X's own chunk, when the spec's norm
+made it (``norm_recipe``), is not kept but made again after fc2's pass.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ from torch import Tensor
 
 from ds_stpar.layers.activation import Activation, activation_backward
 from ds_stpar.layers.comm import Group, Message, PendingP2P, ring_pass, start_p2p
+from ds_stpar.layers.norm_recipe import kept, norm_of, recipe_of, remade
 from ds_stpar.layers.ring import column_backward, column_forward, row_forward
 from ds_stpar.layers.wgrad import WeightGrad
 from ds_stpar.planner.tensor_parallel import MIN_PIECE_FLOP, PIECES, piece_count
@@ -164,7 +168,7 @@ class _RingMLP(torch.autograd.Function):
     """forward / backward: the schedule of the module docstring."""
 
     @staticmethod
-    def forward(ctx, x_shard_m, w1, b1, w2, act, group, main_grad1, main_grad2, pieces):
+    def forward(ctx, x_shard_m, w1, b1, w2, act, group, main_grad1, main_grad2, pieces, recipe):
         size = group.size()
         x_tokens = x_shard_m.reshape(-1, x_shard_m.shape[-1])
         rows = x_tokens.shape[0]
@@ -183,15 +187,15 @@ class _RingMLP(torch.autograd.Function):
         y_tokens = _accumulate_around_ring(
             group, x_tokens, term, bounds, x_tokens.new_empty(rows, w2.shape[0]), x_kept
         )
-        ctx.save_for_backward(x_tokens, x_kept, a_all, w1, b1, w2)
-        ctx.act, ctx.group, ctx.bounds = act, group, bounds
+        ctx.save_for_backward(kept(x_shard_m, recipe), x_kept, a_all, w1, b1, w2)
+        ctx.act, ctx.group, ctx.bounds, ctx.norm = act, group, bounds, norm_of(recipe)
         ctx.main_grads = (main_grad1, main_grad2)
         ctx.x_shape = x_shard_m.shape
         return y_tokens.view(*x_shard_m.shape[:-1], w2.shape[0])
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
-        x_tokens, x_kept, a_all, w1, b1, w2 = ctx.saved_tensors
+        saved_x, x_kept, a_all, w1, b1, w2 = ctx.saved_tensors
         size, me = ctx.group.size(), ctx.group.rank()
         need_dx, need_dw1, need_db1, need_dw2 = ctx.needs_input_grad[:4]
         dy_tokens = grad_output.contiguous().view(-1, w2.shape[0])
@@ -207,10 +211,13 @@ class _RingMLP(torch.autograd.Function):
 
         # dW1 into a main_grad allocates nothing: its GEMMs stay beside the ring's hops
         fc1_in_ring = wgrad1 is not None and wgrad1.main_grad is not None
+        own_x = []  # this rank's chunk, made again (norm_recipe) where dW1 first needs it
 
         def x_chunk(c: int) -> Tensor:
             if c == me:
-                return x_tokens
+                if not own_x:
+                    own_x.append(remade(saved_x, ctx.norm).reshape(rows, -1))
+                return own_x[0]
             block = (c - me) % size - 1  # chunk c arrived at step (c - me) % P
             return x_kept[block * rows : (block + 1) * rows]
 
@@ -255,10 +262,10 @@ class _RingMLP(torch.autograd.Function):
             )
             fc1_weight_grad()
             dx = None
-        dw1 = wgrad1.result(x_tokens.dtype) if wgrad1 is not None else None
-        dw2 = wgrad2.result(x_tokens.dtype) if wgrad2 is not None else None
+        dw1 = wgrad1.result(saved_x.dtype) if wgrad1 is not None else None
+        dw2 = wgrad2.result(saved_x.dtype) if wgrad2 is not None else None
         db1 = db1.to(b1.dtype) if db1 is not None else None
-        return dx, dw1, db1, dw2, None, None, None, None, None
+        return dx, dw1, db1, dw2, None, None, None, None, None, None
 
 
 def ring_mlp(
@@ -282,6 +289,7 @@ def ring_mlp(
     (``min_piece_flop`` <= 0: exactly ``pieces``). The backward writes dA over the saved A,
     so a second backward through the same graph (``retain_graph=True``) is refused by
     autograd's in-place check."""
+    recipe = recipe_of(x_shard_m)
     return _RingMLP.apply(
         x_shard_m.contiguous(),
         w1,
@@ -292,6 +300,7 @@ def ring_mlp(
         main_grad1,
         main_grad2,
         (pieces, min_piece_flop),
+        recipe,
     )
 
 
@@ -300,23 +309,22 @@ class _RingTwoPassMLP(torch.autograd.Function):
     docstring, "Two passes")."""
 
     @staticmethod
-    def forward(ctx, x_shard_m, w1, b1, w2, act, group, main_grad1, main_grad2):
+    def forward(ctx, x_shard_m, w1, b1, w2, act, group, main_grad1, main_grad2, recipe):
         x_tokens = x_shard_m.reshape(-1, x_shard_m.shape[-1])
         a_tokens = column_forward(x_tokens, w1, group)
         if b1 is not None:
             a_tokens.add_(b1)
         y_tokens = row_forward(a_tokens, w2, group, act)
-        ctx.save_for_backward(x_shard_m, a_tokens, w1, b1, w2)
-        ctx.act, ctx.group = act, group
+        ctx.save_for_backward(kept(x_shard_m, recipe), a_tokens, w1, b1, w2)
+        ctx.act, ctx.group, ctx.norm = act, group, norm_of(recipe)
         ctx.main_grads = (main_grad1, main_grad2)
         return y_tokens.view(*x_shard_m.shape[:-1], w2.shape[0])
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
-        x_shard_m, a_tokens, w1, b1, w2 = ctx.saved_tensors
+        saved_x, a_tokens, w1, b1, w2 = ctx.saved_tensors
         need_dx, need_dw1, need_db1, need_dw2 = ctx.needs_input_grad[:4]
-        x_tokens = x_shard_m.reshape(-1, x_shard_m.shape[-1])
-        rows = x_tokens.shape[0]
+        rows = a_tokens.shape[0] // ctx.group.size()
         dy_tokens = grad_output.contiguous().view(rows, w2.shape[0])
         wgrad2 = WeightGrad(w2, ctx.main_grads[1]) if need_dw2 else None
 
@@ -330,11 +338,13 @@ class _RingTwoPassMLP(torch.autograd.Function):
         da_tokens = a_tokens
         db1 = da_tokens.sum(0, dtype=torch.float32).to(b1.dtype) if need_db1 else None
         wgrad1 = WeightGrad(w1, ctx.main_grads[0]) if need_dw1 else None
+        x_shard_m = remade(saved_x, ctx.norm)  # fc1's input, made again after fc2's pass
+        x_tokens = x_shard_m.reshape(-1, x_shard_m.shape[-1])
         dx_tokens = column_backward(x_tokens, w1, da_tokens, ctx.group, need_dx, wgrad1)
         dx = dx_tokens.view(x_shard_m.shape) if need_dx else None
         dw1 = wgrad1.result(x_tokens.dtype) if need_dw1 else None
         dw2 = wgrad2.result(x_tokens.dtype) if need_dw2 else None
-        return dx, dw1, db1, dw2, None, None, None, None
+        return dx, dw1, db1, dw2, None, None, None, None, None
 
 
 def ring_two_pass_mlp(
@@ -352,6 +362,7 @@ def ring_two_pass_mlp(
     ``main_grad1/2`` as :func:`ring_mlp`. The backward writes dA over the saved A, so a second
     backward through the same graph (``retain_graph=True``) is refused by autograd's in-place
     check."""
+    recipe = recipe_of(x_shard_m)
     return _RingTwoPassMLP.apply(
-        x_shard_m.contiguous(), w1, b1, w2, act, group, main_grad1, main_grad2
+        x_shard_m.contiguous(), w1, b1, w2, act, group, main_grad1, main_grad2, recipe
     )

@@ -271,6 +271,10 @@ class _Context:
             self.activations = mem.ring_mlp_activations(ev.activations, model, self.e, ev.cal.local)
         if self.mode == "cannon" and self.t > 1:
             self.activations = mem.cannon_activations(self.activations, model, self.e)
+        elif self.mode == "ring" and not self.interleave:
+            self.activations = mem.ring_norm_recipe_activations(
+                self.activations, model, self.e, self.t, self.fused_mlp
+            )
 
 
 def micro_batches(train: TrainSpec, strategy: Strategy) -> int:

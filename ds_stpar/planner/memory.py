@@ -258,6 +258,23 @@ def fused_ring_mlp_activations(
     return dataclasses.replace(acts, residual=acts.residual - e * h, whole=acts.whole + e * h)
 
 
+def ring_norm_recipe_activations(
+    acts: LayerActivations, model: ModelSpec, e: int, tp: int, fused_mlp: bool
+) -> LayerActivations:
+    """``acts`` of a ring layer (its MLP's own transform applied) whose column passes are handed
+    the spec's marked norm outputs (``layers/norm_recipe.py``): they keep the norms' inputs,
+    which the norms keep anyway, and make the outputs again in their backward. QKV's input
+    (LN1's output, e h) leaves ``residual``; so does fc1's (LN2's output) under the two passes
+    or ring linears, and under the fused pass, which keeps every rank's chunk of it
+    (``whole``), this rank's own chunk, e h / t."""
+    h = model.hidden_size
+    if fused_mlp:
+        return dataclasses.replace(
+            acts, residual=acts.residual - e * h, whole=acts.whole - e * h / tp
+        )
+    return dataclasses.replace(acts, residual=acts.residual - 2 * e * h)
+
+
 def interleaved_activations(
     acts: LayerActivations, model: ModelSpec, e: int, local: bool
 ) -> LayerActivations:

@@ -1,0 +1,97 @@
+"""A norm's output kept as its recipe: the ring's column linears recompute it, not keep it.
+
+In a pre-norm layer the norms' outputs go straight into column linears (QKV, fc1), and a
+column linear keeps its input, ``[s/P, b, h]`` under sequence parallelism, until its
+backward. The norm's own autograd node already keeps the norm's *input* (LayerNorm and
+RMSNorm save it, with their fp32 statistics), so the layer holds two ``[s/P, b, h]`` tensors
+per norm from its forward to its backward. Megatron-core keeps both.
+
+The spec's norms (:class:`MarkedLayerNorm`, :class:`MarkedRMSNorm`, made by
+``megatron_modules.SequenceParallelNorm``) mark each output they make with how to make it
+again: the module and its input. A ring linear or ring MLP handed a marked tensor that nothing
+has changed since (its version counter says so) keeps the norm's input instead, a tensor that
+is alive anyway, and runs the norm again in its backward where it first needs the output:
+
+- QKV's column linear: after the attention core's backward, whose transients make the
+  layer's backward peak (h 8192 / 8K tokens on 2 x H100, twenty-fifth session, call 151);
+- the two-pass MLP: after fc2's pass, for fc1's;
+- the fused ring MLP: its own chunk of X, for dW1 after the ring (or at the backward's start
+  when dW1 goes into a ``main_grad`` inside the ring).
+
+Between a layer's forward and its backward it holds one ``[s/P, b, h]`` per norm less, and its
+backward never holds a norm output beside the attention core's or fc2's transients. The cost is
+one norm forward per norm in the backward (memory-bound: it reads and writes ``[s/P, b, h]``
+once), bitwise the forward's output (the same kernel on the same input and weights).
+
+Nothing is marked under autocast (the recompute would need its state) or with gradients off
+(a checkpoint's first forward, Megatron's ``CheckpointWithoutOutput``, inference); a consumer
+that is not a ring pass ignores the mark.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+_ATTRIBUTE = "_stpar_norm_recipe"
+
+
+@dataclass(frozen=True)
+class NormRecipe:
+    """``norm(input)`` made again: ``norm`` is the norm's plain forward."""
+
+    norm: Callable[[Tensor], Tensor]
+    input: Tensor
+
+    def make(self) -> Tensor:
+        with torch.no_grad():
+            return self.norm(self.input)
+
+
+def mark(output: Tensor, norm: Callable[[Tensor], Tensor], input_: Tensor) -> Tensor:
+    """``output`` (= ``norm(input_)``) marked with its recipe, when a recompute could repeat it."""
+    if torch.is_grad_enabled() and not torch.is_autocast_enabled(output.device.type):
+        setattr(output, _ATTRIBUTE, (NormRecipe(norm, input_), output._version))
+    return output
+
+
+def recipe_of(tensor: Tensor) -> NormRecipe | None:
+    """The recipe ``tensor`` was marked with, if nothing has written to it since."""
+    marked = getattr(tensor, _ATTRIBUTE, None)
+    if marked is None or marked[1] != tensor._version:
+        return None
+    return marked[0]
+
+
+def kept(x: Tensor, recipe: NormRecipe | None) -> Tensor:
+    """What a pass saves for ``x``: the norm's input when ``x`` has a recipe, else ``x``."""
+    return x if recipe is None else recipe.input
+
+
+def norm_of(recipe: NormRecipe | None) -> Callable[[Tensor], Tensor] | None:
+    """The norm :func:`remade` needs, to keep on the autograd context (None: no recipe)."""
+    return None if recipe is None else recipe.norm
+
+
+def remade(saved: Tensor, norm: Callable[[Tensor], Tensor] | None) -> Tensor:
+    """The pass's input from what :func:`kept` saved: ``norm(saved)`` again, or ``saved``."""
+    return saved if norm is None else NormRecipe(norm, saved).make()
+
+
+class _Marking:
+    """A torch norm whose outputs carry their :class:`NormRecipe`."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        plain = super().forward  # type: ignore[misc]
+        return mark(plain(x), plain, x)
+
+
+class MarkedLayerNorm(_Marking, torch.nn.LayerNorm):
+    """``torch.nn.LayerNorm`` (same parameters and names) that marks its outputs."""
+
+
+class MarkedRMSNorm(_Marking, torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` (same parameters and names) that marks its outputs."""
