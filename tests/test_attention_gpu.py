@@ -1,5 +1,6 @@
-"""SDPACoreAttention over packed rows on a CUDA GPU: the one-kernel varlen path equals a
-float64 per-document reference (skipped without a GPU, as on CI).
+"""SDPACoreAttention on a CUDA GPU: over packed rows the one-kernel varlen path, over rows of
+whole sequences SDPA with cuDNN's kernel first, each equal to a float64 per-document reference
+(skipped without a GPU, as on CI).
 
 Reference: each document's causal softmax attention computed alone in float64 from the same
 bf16 inputs. Tolerance 2e-2 relative norm for outputs and input gradients: the kernel runs
@@ -85,6 +86,27 @@ def test_varlen_kernel_equals_documents_attended_alone(heads, groups, dim):
     out.backward(grad)
     leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
     _reference(*leaves, bounds).backward(grad.reshape(t, -1).double())
+    for got, want in zip((q.grad, k.grad, v.grad), leaves):
+        assert _rel(got, want.grad) < TOL
+
+
+@pytest.mark.parametrize("heads, groups, dim", [(8, 8, 128), (8, 2, 128), (8, 8, 100)])
+def test_full_rows_equal_sequences_attended_alone(heads, groups, dim):
+    """Rows of whole sequences (no packing), Megatron's ``[s, b, n, d]`` views, b = 2: SDPA
+    with cuDNN's kernel first (``sdpa_backends``; flash where cuDNN does not run the call)."""
+    torch.manual_seed(0)
+    seq, batch = 1024, 2
+    shape = (seq, batch)
+    q = torch.randn(*shape, heads, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(*shape, groups, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(*shape, groups, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out = _module(heads, groups, dim)(q, k, v, None)  # [s, b, n d]
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = torch.stack([_reference(*(x[:, i] for x in leaves), [0, seq]) for i in range(batch)], 1)
+    assert _rel(out, ref) < TOL
+    ref.backward(grad.double())
     for got, want in zip((q.grad, k.grad, v.grad), leaves):
         assert _rel(got, want.grad) < TOL
 
