@@ -1,6 +1,6 @@
 """SDPACoreAttention on a CUDA GPU: over packed rows the one-kernel varlen path, over rows of
-whole sequences SDPA with cuDNN's kernel first, each equal to a float64 per-document reference
-(skipped without a GPU, as on CI).
+whole sequences SDPA (cuDNN's kernel on an H100, flash's where cuDNN does not run the call),
+each equal to a float64 per-document reference (skipped without a GPU, as on CI).
 
 Reference: each document's causal softmax attention computed alone in float64 from the same
 bf16 inputs. Tolerance 2e-2 relative norm for outputs and input gradients: the kernel runs
@@ -92,8 +92,8 @@ def test_varlen_kernel_equals_documents_attended_alone(heads, groups, dim):
 
 @pytest.mark.parametrize("heads, groups, dim", [(8, 8, 128), (8, 2, 128), (8, 8, 100)])
 def test_full_rows_equal_sequences_attended_alone(heads, groups, dim):
-    """Rows of whole sequences (no packing), Megatron's ``[s, b, n, d]`` views, b = 2: SDPA
-    with cuDNN's kernel first (``sdpa_backends``; flash where cuDNN does not run the call)."""
+    """Rows of whole sequences (no packing), Megatron's ``[s, b, n, d]`` views, b = 2, as the
+    layer benchmark runs them (PyTorch picks cuDNN's kernel there on an H100)."""
     torch.manual_seed(0)
     seq, batch = 1024, 2
     shape = (seq, batch)

@@ -1,14 +1,13 @@
 """Megatron-core building blocks that the stock local spec lacks without Apex/TE.
 
 - :class:`SDPACoreAttention` — core attention through ``torch.nn.functional.
-  scaled_dot_product_attention``: fused kernels on GPU, cuDNN's first (no [b, a, s, s]
+  scaled_dot_product_attention``: flash/memory-efficient kernels on GPU (no [b, a, s, s]
   score tensor is kept, so activation memory loses Korthikanti's ``5as/h`` term), the math
   kernel on CPU. Packed rows (``PackedSeqParams`` with ``cu_seqlens_q``): no token attends
   across a document boundary. On GPU (bf16/fp16, no attention dropout) one variable-length
   flash kernel (``torch.nn.attention.varlen``) runs every document of the micro-batch; on CPU,
   or where that kernel is missing, documents are attended one at a time (one SDPA call each,
-  the segment bounds read to the host once per micro-batch). SDPA takes cuDNN's kernel
-  first where it runs the call (:func:`sdpa_backends`).
+  the segment bounds read to the host once per micro-batch).
 - :class:`SequenceParallelNorm` — LayerNorm/RMSNorm that accepts ``sequence_parallel=True``.
   Megatron's ``WrappedTorchNorm`` refuses it. Under SP every TP rank normalises its own s/t
   tokens, so the norm weight gradient is a partial sum: the ``sequence_parallel`` attribute
@@ -21,7 +20,6 @@ Shapes follow Megatron: queries [s, b, heads/t, d], keys/values [s, b, groups/t,
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import os
 
@@ -32,7 +30,6 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ds_stpar.layers.norm_recipe import MarkedLayerNorm, MarkedRMSNorm
 from ds_stpar.planner.memory import FLASH_HEAD_DIM_MULTIPLE
@@ -83,68 +80,36 @@ class SDPACoreAttention(MegatronModule):
             out = varlen_causal(q, k, v, packed_seq_params, self.softmax_scale)
         elif packed_seq_params is not None:
             bounds = host_bounds(packed_seq_params)
-            with sdpa_backends(query):
-                parts = [
-                    F.scaled_dot_product_attention(
-                        q[:, :, a:b],
-                        k[:, :, a:b],
-                        v[:, :, a:b],
-                        dropout_p=dropout,
-                        is_causal=True,
-                        scale=self.softmax_scale,
-                        enable_gqa=gqa,
-                    )
-                    for a, b in zip(bounds[:-1], bounds[1:])
-                    if b > a
-                ]
-            out = torch.cat(parts, dim=2)
-        elif attention_mask is not None and self.attn_mask_type != AttnMaskType.causal:
-            # Megatron masks are True where attention is NOT allowed; SDPA wants the opposite.
-            with sdpa_backends(query):
-                out = F.scaled_dot_product_attention(
-                    q,
-                    k,
-                    v,
-                    attn_mask=~attention_mask,
-                    dropout_p=dropout,
-                    scale=self.softmax_scale,
-                    enable_gqa=gqa,
-                )
-        else:
-            with sdpa_backends(query):
-                out = F.scaled_dot_product_attention(
-                    q,
-                    k,
-                    v,
+            parts = [
+                F.scaled_dot_product_attention(
+                    q[:, :, a:b],
+                    k[:, :, a:b],
+                    v[:, :, a:b],
                     dropout_p=dropout,
                     is_causal=True,
                     scale=self.softmax_scale,
                     enable_gqa=gqa,
                 )
+                for a, b in zip(bounds[:-1], bounds[1:])
+                if b > a
+            ]
+            out = torch.cat(parts, dim=2)
+        elif attention_mask is not None and self.attn_mask_type != AttnMaskType.causal:
+            # Megatron masks are True where attention is NOT allowed; SDPA wants the opposite.
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=~attention_mask,
+                dropout_p=dropout,
+                scale=self.softmax_scale,
+                enable_gqa=gqa,
+            )
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout, is_causal=True, scale=self.softmax_scale, enable_gqa=gqa
+            )
         return out.permute(2, 0, 1, 3).reshape(seq, batch, heads * dim)
-
-
-CUDNN_FIRST = [
-    SDPBackend.CUDNN_ATTENTION,
-    SDPBackend.FLASH_ATTENTION,
-    SDPBackend.EFFICIENT_ATTENTION,
-    SDPBackend.MATH,
-]
-
-
-def sdpa_backends(query: Tensor) -> contextlib.AbstractContextManager:
-    """On CUDA, SDPA's cuDNN kernel first, then PyTorch's own order (flash, memory-efficient,
-    math), each taken only where it supports the call; ``DS_STPAR_SDPA_CUDNN=0`` keeps
-    PyTorch's order. Megatron with Transformer Engine runs cuDNN's fused attention too.
-
-    Why: at h 8192 / TP2 / 8K tokens (b = 2 sequences of 4096, 32 heads of 128) on an H100,
-    cuDNN's backward took 1.60 ms where flash took 2.77-2.86 ms, and flash copies its
-    incoming gradient, which arrives in Megatron's ``[s, b, n, d]`` layout, into its own
-    ``[b, s, n, d]`` one (64 MiB more at its peak; cuDNN takes the strides as they are:
-    twenty-sixth session, call 156, ``bench/sdpa_backward.py``)."""
-    if query.device.type != "cuda" or os.environ.get("DS_STPAR_SDPA_CUDNN", "1") == "0":
-        return contextlib.nullcontext()
-    return sdpa_kernel(CUDNN_FIRST, set_priority=True)
 
 
 def host_bounds(params: PackedSeqParams) -> list[int]:
