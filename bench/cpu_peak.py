@@ -25,16 +25,21 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ds_stpar.layers.activation import ClosedFormActivation
+from ds_stpar.layers.norm_recipe import MarkedLayerNorm
 from ds_stpar.layers.ring_mlp import ring_mlp, ring_two_pass_mlp
 
 VARIANTS = ("two-pass", "two-pass-closed-form", "fused", "fused-closed-form")
 
 
-def peak_blocks(group, hidden: int, tokens: int, variant: str, pieces: int = 1) -> float:
+def peak_blocks(
+    group, hidden: int, tokens: int, variant: str, pieces: int = 1, norm: bool = False
+) -> float:
     """Peak bytes above the step's start over one ``[tokens/P, hidden]`` fp32 block, for
     ``variant`` in :data:`VARIANTS` (no biases; the output stays referenced through the
     backward, as a training step's loss keeps it); the fused pass's partial sums travel in
-    ``pieces`` row pieces."""
+    ``pieces`` row pieces. ``norm``: the MLP's input is made in the step by the spec's
+    LayerNorm (``norm_recipe.MarkedLayerNorm``, no affine weights) from the step's input, as
+    in a layer, so the MLP keeps the norm's input and makes its own chunk again."""
     size = group.size()
     ffn = 4 * hidden // size
     gen = torch.Generator().manual_seed(group.rank())
@@ -44,11 +49,15 @@ def peak_blocks(group, hidden: int, tokens: int, variant: str, pieces: int = 1) 
     dy = torch.randn(tokens // size, 1, hidden, generator=gen)
     act = ClosedFormActivation(F.gelu) if variant.endswith("closed-form") else F.gelu
 
+    layer_norm = MarkedLayerNorm(hidden, elementwise_affine=False) if norm else None
+
     def step() -> None:
+        x_in = layer_norm(x) if norm else x
         if variant.startswith("fused"):
-            y = ring_mlp(x, w1, None, w2, act, group, pieces=pieces, min_piece_flop=0)
+            y = ring_mlp(x_in, w1, None, w2, act, group, pieces=pieces, min_piece_flop=0)
         else:
-            y = ring_two_pass_mlp(x, w1, None, w2, act, group)
+            y = ring_two_pass_mlp(x_in, w1, None, w2, act, group)
+        del x_in
         y.backward(dy)
         for leaf in (x, w1, w2):
             leaf.grad = None

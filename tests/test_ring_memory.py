@@ -19,6 +19,10 @@ its own dX (1), the spare dY chunks (min(2, P - 1)), dW2 (1), the three pieces' 
 in flight (3/4), their inbox (3/4 at P = 2, where it is made as the pieces leave; the whole
 1 at P > 2, made in the first step) and that piece's dY W2 (1/2). A partial-sum buffer made
 before its piece's temporaries adds a quarter block there (2f01dcb did).
+With its input made by the spec's norm (``norm_recipe``), the fused pass keeps the norm's
+input instead and makes its own chunk again for dW1, after the other chunks' buffer is
+released: the same counts, plus the norm's fp32 statistics (under 1/16 block). Made again
+beside the other chunks it held one block more (18 at P = 2, T = h; twenty-sixth session).
 Before dW1 moved out of the ring (twenty-fifth session) the peak was at a chunk's recomputed
 act(A) with dW1 alive beside the rotation's spare chunks: 20 blocks at P = 2 with one piece,
 and before the closed form wrote dA over A (nineteenth session), when act(A), dA and fc2's
@@ -54,6 +58,10 @@ def _worker(rank: int, world_size: int) -> None:
         blocks = cpu_peak.peak_blocks(group, 64, 256, "fused-closed-form", 4)
         assert blocks == long_rows, (size, blocks, long_rows)
         assert cpu_peak.peak_blocks(group, 64, 64, "fused") >= fused
+        stats = 1 / 16  # the norm's mean and rstd, [T/P] fp32 each, with the allocator's slack
+        for tokens, unmarked in ((64, fused), (256, long_rows)):
+            blocks = cpu_peak.peak_blocks(group, 64, tokens, "fused-closed-form", 4, norm=True)
+            assert unmarked < blocks <= unmarked + stats, (size, tokens, blocks, unmarked)
 
 
 def test_ring_mlp_peaks_are_their_hand_counts() -> None:

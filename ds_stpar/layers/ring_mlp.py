@@ -43,8 +43,9 @@ of a piece rather than four. Into a ``main_grad`` (gradient_accumulation_fusion)
 allocates nothing, it is accumulated piece by piece in the ring, beside the hops, as before.
 Communication volume equals Megatron's all-gather / reduce-scatter minus the backward's re-gather of
 X: four streams of (P-1)/P of the activation instead of five. An input that the spec's norm made
-(``norm_recipe``) is not kept either: the own chunk is made again from the norm's input where dW1
-first needs it.
+(``norm_recipe``) is not kept either: the own chunk is made again from the norm's input for dW1,
+after the other chunks, whose buffer is released once dW1 has read them (a second backward is
+refused anyway), so the two never meet.
 
 **Two passes**, :func:`ring_two_pass_mlp`: fc1's column pass, act, fc2's row pass
 (``ring.py``'s passes, each hop beside its own linear's sub-GEMM only), in one autograd node
@@ -237,9 +238,13 @@ class _RingMLP(torch.autograd.Function):
 
         def fc1_weight_grad() -> None:
             """dW1 = dA^T X over every chunk, once dA is all written over A: a new tensor is
-            made after the ring's buffers are gone (module docstring)."""
+            made after the ring's buffers are gone (module docstring). The other ranks'
+            chunks go first and their buffer is released once read, so this rank's chunk,
+            when made again from a norm's input, never meets them."""
             if wgrad1 is not None and not fc1_in_ring:
-                for c in range(size):
+                for c in [c for c in range(size) if c != me] + [me]:
+                    if c == me:  # a second backward is refused (A changed), so nothing rereads X
+                        x_kept.untyped_storage().resize_(0)
                     wgrad1.add(a_all[c * rows : (c + 1) * rows], x_chunk(c))
 
         if need_dx:
