@@ -72,9 +72,12 @@ Communication volume per layer equals Megatron TP+SP's forward (gather, all-redu
 reduce-scatter + gather, reduce-scatter) and its backward less the two re-gathers. Memory:
 the layer keeps the gathered residual and the all-reduced middle (the norms' inputs), (P-1)/P
 of the activation more each than the ring layer's own chunks; the norms' outputs, the column
-GEMMs' gathered inputs, are not kept but recomputed from those when the backward reaches them
-(Megatron's ``CheckpointWithoutOutput``, one norm each); the MLP saves fc1's output only,
-recomputing the activation (``StparMLP``), as the fused ring MLP.
+GEMMs' gathered inputs, are not kept: the spec's norms mark them (``norm_recipe``) and the
+local column GEMMs keep the norms' inputs instead, making the outputs again for their weight
+gradients (QKV's after the attention core's backward; until the twenty-sixth session Megatron's
+``CheckpointWithoutOutput`` made them again when the backward reached the block's output, and
+held them twice from there on); the MLP saves fc1's output only, recomputing the activation
+(``StparMLP``), as the fused ring MLP.
 
 When it runs: TP group of P > 1, a batch the pieces divide (else gcd(batch, k) pieces; one:
 Megatron's forward), no hidden dropout while training (every rank adds the residual to all
@@ -94,7 +97,6 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-from megatron.core.tensor_parallel import CheckpointWithoutOutput
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import (
@@ -331,15 +333,15 @@ class InterleavedTransformerLayer(TransformerLayer):
         sums, residuals = [], []
         for index, mask in enumerate(masks):
             full, arrivals[index] = arrivals[index](), None  # free what the arrival holds
-            out, bias = _after_norm(
-                self.input_layernorm, self.self_attention, full, attention_mask=mask, **extra
+            out, bias = self.self_attention(
+                self.input_layernorm(full), attention_mask=mask, **extra
             )
             sums.append((all_reduce_start(out, group), bias))
             residuals.append(full)
         landings = []
         for ((token, transfer), bias), full in zip(sums, residuals, strict=True):
             middle = self._add(self.self_attn_bda, all_reduce_finish(token, transfer), bias, full)
-            out, bias = _after_norm(self.pre_mlp_layernorm, self.mlp, middle)
+            out, bias = self.mlp(self.pre_mlp_layernorm(middle))
             if hand_on:
                 land = (all_reduce_finish, *all_reduce_start(out, group), bias, middle)
             else:
@@ -360,18 +362,6 @@ class InterleavedTransformerLayer(TransformerLayer):
             return bda(self.training, self.config.bias_dropout_fusion)(
                 (out, bias), residual, self.hidden_dropout
             )
-
-
-def _after_norm(norm: torch.nn.Module, block: torch.nn.Module, x: Tensor, **kwargs):
-    """``block(norm(x), **kwargs)`` (the block's linears local), the norm's output freed
-    once the block has run and recomputed from ``x`` when the backward reaches the block's
-    output (Megatron's ``CheckpointWithoutOutput``; ``fp8=None``: no fp8, ``False`` reads
-    as on). Returns the block's ``(output, bias)``."""
-    checkpoint = CheckpointWithoutOutput(fp8=None)
-    normed = checkpoint.checkpoint(norm, x)
-    out, bias = block(normed, **kwargs)
-    checkpoint.discard_output_and_register_recompute(out)
-    return out, bias
 
 
 def _own_rows(full: Tensor, group) -> Tensor:

@@ -8,7 +8,8 @@ between); inside, a temporal linear in *local* mode runs only this:
     row:    x [s, b, K/P]          x W_d [N, K/P] -> [s, b, N]   (this rank's term of the sum)
 
 Both save their input for dW (the column's is the gathered one: the backward needs no second
-gather). A linear runs once per piece of the micro-batch, and every use's dW goes into its
+gather), or, when the spec's norm made it, the norm's input, from which dW makes it again
+(``norm_recipe``). A linear runs once per piece of the micro-batch, and every use's dW goes into its
 weight's :class:`~ds_stpar.layers.wgrad.SharedWeightGrad` for the call (:class:`LocalCompute`
 holds them): one gradient tensor per weight, or fp32 ``main_grad`` with Megatron's gradient
 accumulation fusion.
@@ -28,6 +29,7 @@ import torch
 from torch import Tensor
 
 from ds_stpar.layers.activation import Activation, activation_backward
+from ds_stpar.layers.norm_recipe import kept, norm_of, recipe_of, remade
 from ds_stpar.layers.wgrad import SharedWeightGrad
 
 
@@ -59,24 +61,25 @@ def _use(weight: Tensor, grads: SharedWeightGrad) -> SharedWeightGrad:
 
 
 class _LocalLinear(torch.autograd.Function):
-    """y = x W^T; backward dX = dY W, dW = dY^T X into the weight's shared accumulator."""
+    """y = x W^T; backward dX = dY W, dW = dY^T X into the weight's shared accumulator (X made
+    again from the norm's input when a marked norm output was handed in: ``norm_recipe``)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, grads: SharedWeightGrad) -> Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.grads = grads
+    def forward(ctx, x: Tensor, weight: Tensor, grads: SharedWeightGrad, recipe) -> Tensor:
+        ctx.save_for_backward(kept(x, recipe), weight)
+        ctx.grads, ctx.norm = grads, norm_of(recipe)
         return torch.matmul(x, weight.t())
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
-        x, weight = ctx.saved_tensors
+        saved_x, weight = ctx.saved_tensors
         grad_output = grad_output.contiguous()
         dx = torch.matmul(grad_output, weight) if ctx.needs_input_grad[0] else None
         dw = None
         if ctx.needs_input_grad[1]:
-            ctx.grads.add(_tokens(grad_output), _tokens(x))
-            dw = ctx.grads.result(x.dtype)
-        return dx, dw, None
+            ctx.grads.add(_tokens(grad_output), _tokens(remade(saved_x, ctx.norm)))
+            dw = ctx.grads.result(saved_x.dtype)
+        return dx, dw, None, None
 
 
 class _ActivationLinear(torch.autograd.Function):
@@ -102,8 +105,8 @@ class _ActivationLinear(torch.autograd.Function):
 
 def local_linear(x: Tensor, weight: Tensor, grads: SharedWeightGrad) -> Tensor:
     """``[..., K] x [N, K] -> [..., N]``, no communication; dW into ``grads`` (module
-    docstring)."""
-    return _LocalLinear.apply(x, weight, _use(weight, grads))
+    docstring). An ``x`` the spec's norm marked is not kept: dW makes it again."""
+    return _LocalLinear.apply(x, weight, _use(weight, grads), recipe_of(x))
 
 
 def activation_linear(

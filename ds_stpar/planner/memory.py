@@ -280,14 +280,14 @@ def interleaved_activations(
 ) -> LayerActivations:
     """``acts`` (with the MLP's own transform applied) under the interleaved layer
     (``layers/interleave.py``): it keeps the gathered layer input and the all-reduced middle,
-    the two norms' inputs, for all tokens on every rank (``whole``, 2 e h), and recomputes the
-    norms, whose outputs are the column GEMMs' inputs, in the backward
-    (``CheckpointWithoutOutput``: neither their outputs nor, on the local stack, their fp32
-    statistics are kept): the residual stream's 4 e h and statistics leave ``residual``."""
+    the two norms' inputs, for all tokens on every rank (``whole``, 2 e h); the norms, which
+    run on all tokens, keep their fp32 statistics there too (local stack), and their outputs,
+    the column GEMMs' inputs, are made again in the backward (``layers/norm_recipe.py``): the
+    residual stream's 4 e h and statistics leave ``residual``."""
     stats = 2 * norm_stat_bytes(model) if local else 0
     h = model.hidden_size
     return dataclasses.replace(
-        acts, residual=acts.residual - 4 * e * h - stats, whole=acts.whole + 2 * e * h
+        acts, residual=acts.residual - 4 * e * h - stats, whole=acts.whole + 2 * e * h + stats
     )
 
 
