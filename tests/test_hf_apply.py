@@ -16,6 +16,8 @@ One launch of 4 workers (~30 s on 2 cores): TP=4 ring, Cannon and Megatron over 
 TP=2 ring in the two TP groups of a dp2 x tp2 layout (each group on its own tokens), also with
 a packed micro-batch (one row: 4-D block-diagonal mask, restarting positions), with gradient
 checkpointing, and with the gathered weights loaded into a plain model; the input errors.
+Under the ring, autograd keeps none of the layers' norm outputs: the ring columns keep the
+norms' inputs and make the outputs again (``layers/norm_recipe.py``).
 """
 
 from __future__ import annotations
@@ -105,8 +107,18 @@ def _parity(kind: str, layout: Layout, cache: GroupCache, seed: int, **inputs) -
     assert len(model.stpar.linears) == {"llama": 14, "gpt2": 8}[kind]  # 7 or 4 per layer
     shape = tuple(inputs["position_ids"].shape) if "position_ids" in inputs else (BATCH, SEQ)
     ids = torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
-    out = model(input_ids=ids, labels=ids, use_cache=False, **inputs)
+    norm_outputs, saved = [], []  # the layers' norm outputs, and what autograd keeps
+    for name, module in model.named_modules():
+        if name.startswith(f"{model.stpar.layers}.") and "norm" in type(module).__name__.lower():
+            module.register_forward_hook(lambda mod, args, output: norm_outputs.append(output))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = model(input_ids=ids, labels=ids, use_cache=False, **inputs)
     expected = ref(input_ids=ids, labels=ids, use_cache=False, **inputs)
+    if layout.tp_mode == "ring":  # the ring columns keep the norms' inputs (norm_recipe)
+        kept = {t.untyped_storage().data_ptr() for t in saved}
+        assert len(norm_outputs) == 4
+        assert not any(o.untyped_storage().data_ptr() in kept for o in norm_outputs), kind
+    saved.clear()
     what = f"{kind} {layout.short()}"
     _close(out.logits, expected.logits, f"{what} logits")
     _close(out.loss, expected.loss, f"{what} loss")

@@ -53,6 +53,11 @@ when backward returns, whatever reduces over data parallelism next (DDP, DeepSpe
 Consequence: no parameter needs a TP reduction after backward, and the hot-switching
 descriptors treat all TP copies as identical.
 
+Norms. The stack's norms mark their outputs with their recipe (``norm_recipe``), as the
+Megatron spec's do; the column layers' transpose carries the mark, so a ring column keeps the
+norm's input, which the norm keeps anyway, and makes its output again in its backward (each of
+q, k and v its own, one at a time).
+
 Limits: no pipeline parallelism; no KV cache (generation: load :func:`full_state_dict` into a
 plain model); ``output_hidden_states`` of inner layers are token blocks; dropout before the
 scatter (GPT-2's ``embd_pdrop``) needs the same RNG state on the ranks of a TP group
@@ -74,6 +79,7 @@ from ds_stpar.config import Layout
 from ds_stpar.errors import ConfigError
 from ds_stpar.layers.comm import Group
 from ds_stpar.layers.linear import megatron_weight_order, shard_offsets, take_block
+from ds_stpar.layers.norm_recipe import mark, recipe_of
 from ds_stpar.parallel import GroupCache, LayoutGroups
 
 # style -> (kind, partition stride)
@@ -282,8 +288,22 @@ class _ColumnForward:
                     "module's input itself"
                 )
             x = block
-        y, _ = super().forward(x.transpose(0, 1))
+        y, _ = super().forward(_transposed_marked(x))
         return y.transpose(0, 1).contiguous()
+
+
+def _transposed_marked(x: Tensor) -> Tensor:
+    """``x.transpose(0, 1)``, carrying ``x``'s norm recipe (``norm_recipe``) if it has one: a
+    ring column keeps the norm's input and makes ``norm(input).transpose(0, 1)`` again."""
+    xt = x.transpose(0, 1)
+    recipe = recipe_of(x)
+    if recipe is not None:
+        mark(xt, functools.partial(_norm_transposed, recipe.norm), recipe.input)
+    return xt
+
+
+def _norm_transposed(norm, x: Tensor) -> Tensor:
+    return norm(x).transpose(0, 1)
 
 
 class _RowForward:
@@ -492,6 +512,23 @@ def _sum_grads_at_use(module: nn.Module, group: Group) -> None:
     module.forward = forward
 
 
+def _mark_norm_outputs(module: nn.Module) -> None:
+    """Make a norm of the stack mark its outputs with their recipe (``norm_recipe``), as the
+    Megatron spec's norms do, so that the ring columns it feeds keep its input instead. The
+    recipe calls the module's forward again, which, with gradients off in the backward, is the
+    model's own (no :func:`sum_grads`)."""
+    inner = module.forward
+
+    @functools.wraps(inner)
+    def forward(hidden_states: Tensor, *args, **kwargs):
+        out = inner(hidden_states, *args, **kwargs)
+        if args or kwargs or not isinstance(out, Tensor):
+            return out
+        return mark(out, inner, hidden_states)
+
+    module.forward = forward
+
+
 def _run_on_shape_proxy(module: nn.Module, columns: Sequence[nn.Module], group: Group) -> None:
     """Make ``module`` (an attention or MLP whose column projections read its input) see a
     full-length input shape.
@@ -610,6 +647,8 @@ def apply_stpar(
     for module in stack.modules():
         if id(module) not in parallel and next(module.parameters(recurse=False), None) is not None:
             _sum_grads_at_use(module, group)
+            if "norm" in type(module).__name__.lower():  # LlamaRMSNorm, nn.LayerNorm, ...
+                _mark_norm_outputs(module)
     _install_boundaries(stack, group)
     model.stpar = StparHF(group, mode, size, stack_name, targets, tuple(sorted(replaced)))
     return model
