@@ -5,7 +5,8 @@ again in their backward.
 What is compared: every pass handed a marked norm output against the same pass handed an
 unmarked copy of it, on the same ranks and inputs. The forward is the same computation and
 the backward's remade output is the forward's bit for bit (same kernel, input and weights),
-so outputs and all gradients must be *equal*, not close. What each pass keeps is read off
+so outputs and all gradients must be *equal*, not close; with a LayerNorm and an RMSNorm whose
+weights are random, not torch's defaults. What each pass keeps is read off
 ``torch.autograd.graph.saved_tensors_hooks``: the norm's output never, its input instead.
 """
 
@@ -68,23 +69,29 @@ def _worker(rank: int, world: int) -> None:
             torch.randn(ROWS, 1, 4 * H // world, generator=gen),
         ),
     }
-    norm = MarkedLayerNorm(H)
-    for name, (run, grad) in passes.items():
-        results = []
-        for marked in (True, False):
-            leaves = [t.clone().requires_grad_() for t in (x, w1, w2)]
-            normed = norm(leaves[0])
-            if not marked:
-                normed = normed + 0  # the same values, unmarked
-            assert (recipe_of(normed) is not None) == marked
-            out, kept = _saved(run, normed, leaves[1], leaves[2])
-            assert (normed.untyped_storage().data_ptr() in kept) != marked, name
-            out.backward(grad)
-            results.append([out.detach(), *(t.grad for t in leaves), norm.weight.grad.clone()])
-            norm.zero_grad()
-        for got, want in zip(*results, strict=True):
-            if want is not None:
-                assert torch.equal(got, want), name
+    for norm in (MarkedLayerNorm(H), MarkedRMSNorm(H)):
+        with torch.no_grad():  # weights a remake must use, not the defaults 1 and 0
+            for param in norm.parameters():
+                param.copy_(torch.randn(param.shape, generator=gen))
+        for name, (run, grad) in passes.items():
+            results = []
+            for marked in (True, False):
+                leaves = [t.clone().requires_grad_() for t in (x, w1, w2)]
+                normed = norm(leaves[0])
+                if not marked:
+                    normed = normed + 0  # the same values, unmarked
+                assert (recipe_of(normed) is not None) == marked
+                out, kept = _saved(run, normed, leaves[1], leaves[2])
+                assert (normed.untyped_storage().data_ptr() in kept) != marked, name
+                if marked:  # the norm's input instead
+                    assert leaves[0].untyped_storage().data_ptr() in kept, name
+                out.backward(grad)
+                grads = [p.grad.clone() for p in norm.parameters()]
+                results.append([out.detach(), *(t.grad for t in leaves), *grads])
+                norm.zero_grad()
+            for got, want in zip(*results, strict=True):
+                if want is not None:
+                    assert torch.equal(got, want), (type(norm).__name__, name)
 
 
 def test_marked_inputs_give_the_same_result_keeping_the_norm_input() -> None:

@@ -21,7 +21,8 @@ in flight (3/4), their inbox (3/4 at P = 2, where it is made as the pieces leave
 before its piece's temporaries adds a quarter block there (2f01dcb did).
 With its input made by the spec's norm (``norm_recipe``), the fused pass keeps the norm's
 input instead and makes its own chunk again for dW1, after the other chunks' buffer is
-released: the same counts, plus the norm's fp32 statistics (under 1/16 block). Made again
+released: the same counts, plus the norm's fp32 statistics (at most 1/16 block: two [T/P]
+fp32 vectors and the profiler's allocation granularity; 1/16 measured at P = 2, 1/32 at P = 4). Made again
 beside the other chunks it held one block more (18 at P = 2, T = h; twenty-sixth session).
 Before dW1 moved out of the ring (twenty-fifth session) the peak was at a chunk's recomputed
 act(A) with dW1 alive beside the rotation's spare chunks: 20 blocks at P = 2 with one piece,

@@ -5,14 +5,15 @@ One megatron-core ``GPTModel`` per layer variant, built from ds_stpar's spec on 
 what its CUDA one does: Q, K, V, the output and the fp32 log-sum-exp). Everything the second
 of three layers' forward (an interleaved one takes its input in flight and hands its output
 on) hands autograd to keep (``torch.autograd.graph.saved_tensors_hooks``) is
-counted once per storage, parameters left out, at the end of the step's forward: what a
-``CheckpointWithoutOutput`` discarded by then (the interleaved layer's norm outputs) counts
-zero. The planner's ``memory.layer_activation_bytes`` for the same layer (local stack, e = 4)
+counted once per storage, parameters left out, at the end of the step's forward (the ring
+and interleaved layers keep their norms' inputs, not their outputs: ``layers/norm_recipe.py``).
+The planner's ``memory.layer_activation_bytes`` for the same layer (local stack, e = 4)
 must equal it to the byte: at TP2 Megatron + SP, the ring with the fused MLP and with the
 two passes, and the interleaved layer of 2 pieces; at TP4 Megatron, the two passes and
-Cannon (a 2 x 2 torus). The reference is the count; no tolerance. (It found the interleaved
-layer's norm statistics, which it does not keep, and Cannon's second copy of the attention
-output, which it does.)
+Cannon (a 2 x 2 torus). The reference is the count; no tolerance. (It found Cannon's second
+copy of the attention output, the interleaved layer's norm statistics, which it did not keep
+under Megatron's ``CheckpointWithoutOutput`` and keeps for every token since the norm recipe,
+and the two norm outputs the ring layers no longer keep.)
 """
 
 from __future__ import annotations

@@ -77,8 +77,9 @@ class _LocalLinear(torch.autograd.Function):
         dx = torch.matmul(grad_output, weight) if ctx.needs_input_grad[0] else None
         dw = None
         if ctx.needs_input_grad[1]:
-            ctx.grads.add(_tokens(grad_output), _tokens(remade(saved_x, ctx.norm)))
-            dw = ctx.grads.result(saved_x.dtype)
+            x = remade(saved_x, ctx.norm)
+            ctx.grads.add(_tokens(grad_output), _tokens(x))
+            dw = ctx.grads.result(x.dtype)
         return dx, dw, None, None
 
 

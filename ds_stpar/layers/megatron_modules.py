@@ -12,7 +12,8 @@
   Megatron's ``WrappedTorchNorm`` refuses it. Under SP every TP rank normalises its own s/t
   tokens, so the norm weight gradient is a partial sum: the ``sequence_parallel`` attribute
   on the parameters makes Megatron's ``finalize_model_grads`` all-reduce it over TP. Its
-  outputs carry their recipe (``norm_recipe``), so the ring's column passes need not keep them.
+  outputs carry their recipe (``norm_recipe``), so the ring's column passes and the interleaved
+  layer's local GEMMs need not keep them.
 
 Shapes follow Megatron: queries [s, b, heads/t, d], keys/values [s, b, groups/t, d], output
 [s, b, heads/t * d].
@@ -193,7 +194,8 @@ class SequenceParallelNorm:
     Like Megatron's ``WrappedTorchNorm`` it returns a torch norm (so parameter names match
     the local spec: ``input_layernorm.weight``), but it accepts sequence parallelism. The norm
     marks its outputs with their recipe (``norm_recipe``): the ring's column linears and MLPs
-    keep the norm's input instead and make the output again in their backward.
+    and the interleaved layer's local GEMMs keep the norm's input instead and make the output
+    again in their backward.
     """
 
     def __new__(

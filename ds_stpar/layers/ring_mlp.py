@@ -267,8 +267,8 @@ class _RingMLP(torch.autograd.Function):
             )
             fc1_weight_grad()
             dx = None
-        dw1 = wgrad1.result(saved_x.dtype) if wgrad1 is not None else None
-        dw2 = wgrad2.result(saved_x.dtype) if wgrad2 is not None else None
+        dw1 = wgrad1.result(a_all.dtype) if wgrad1 is not None else None
+        dw2 = wgrad2.result(a_all.dtype) if wgrad2 is not None else None
         db1 = db1.to(b1.dtype) if db1 is not None else None
         return dx, dw1, db1, dw2, None, None, None, None, None, None
 
