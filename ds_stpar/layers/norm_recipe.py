@@ -1,4 +1,4 @@
-"""A norm's output kept as its recipe: the ring's column linears recompute it, not keep it.
+"""A norm's output kept as its recipe: the column passes that read it make it again, not keep it.
 
 In a pre-norm layer the norms' outputs go straight into column linears (QKV, fc1), and a
 column linear keeps its input, ``[s/P, b, h]`` under sequence parallelism, until its
