@@ -241,11 +241,13 @@ class _RingMLP(torch.autograd.Function):
             made after the ring's buffers are gone (module docstring). The other ranks'
             chunks go first and their buffer is released once read, so this rank's chunk,
             when made again from a norm's input, never meets them."""
-            if wgrad1 is not None and not fc1_in_ring:
-                for c in [c for c in range(size) if c != me] + [me]:
-                    if c == me:  # a second backward is refused (A changed), so nothing rereads X
-                        x_kept.untyped_storage().resize_(0)
+            if wgrad1 is None or fc1_in_ring:
+                return
+            for c in range(size):
+                if c != me:
                     wgrad1.add(a_all[c * rows : (c + 1) * rows], x_chunk(c))
+            x_kept.untyped_storage().resize_(0)  # a second backward is refused (A changed)
+            wgrad1.add(a_all[me * rows : (me + 1) * rows], x_chunk(me))
 
         if need_dx:
             dx_tokens = _accumulate_around_ring(
