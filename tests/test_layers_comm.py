@@ -30,6 +30,8 @@ from ds_stpar.layers.async_comm import (
     all_reduce_start,
     gather_finish,
     gather_start,
+    reduce_others_finish,
+    reduce_others_start,
     reduce_scatter_finish,
     reduce_scatter_start,
 )
@@ -107,6 +109,30 @@ def _check_async_transfers(group, tag: int) -> None:
     assert torch.equal(v, _data(tag + 400 + me, (2, 3))), "all-reduce changed its input"
     total.backward(_data(tag + 500 + me, (2, 3)))
     assert torch.equal(v.grad, sum(_data(tag + 500 + e, (2, 3)) for e in range(size)))
+    _check_reduce_others(group, tag + 600)
+
+
+def _check_reduce_others(group, tag: int) -> None:
+    """The reduction of the other ranks' rows: rank e's terms for chunk c are the rows of c
+    in e's [P n] tensor, of which e sends all but its own; rank d receives the sum of the
+    others' terms for its chunk; the backward hands each rank every other rank's gradient
+    chunk, in rank order. A group of one has no other rank: refused."""
+    size, me = group.size(), group.rank()
+    if size == 1:
+        with pytest.raises(ValueError, match="other ranks"):
+            reduce_others_start(_data(tag, (2, 3)), group)
+        return
+
+    def others(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.cat([tensor[2 * e : 2 * e + 2] for e in range(size) if e != me])
+
+    w = others(_data(tag + me, (2 * size, 3))).requires_grad_()
+    summed = reduce_others_finish(*reduce_others_start(w, group))
+    terms = [_data(tag + e, (2 * size, 3))[2 * me : 2 * me + 2] for e in range(size) if e != me]
+    assert torch.equal(summed, sum(terms)), "reduce of the others' rows"
+    summed.backward(_data(tag + 100 + me, (2, 3)))
+    sent = [_data(tag + 100 + e, (2, 3)) for e in range(size) if e != me]
+    assert torch.equal(w.grad, torch.cat(sent)), "reduce of the others' rows: grad"
 
 
 def _check_ring_pass_both_streams(group, tag: int) -> None:

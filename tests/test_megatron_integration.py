@@ -80,7 +80,8 @@ def _record_pieces(layers, calls: list[int]) -> None:
         layer.pieces_for = pieces_for
 
 
-TRANSFERS = ("gather", "all_reduce", "reduce_scatter")  # the interleaved layer's kinds
+# the interleaved layer's transfers
+TRANSFERS = ("gather", "gather_others", "all_reduce", "reduce_scatter", "reduce_others")
 
 
 @contextlib.contextmanager
@@ -110,11 +111,14 @@ def _counted_transfers():
 
 def _interleaved_transfers(layers: int, pieces: int, recompute: str) -> dict[str, int]:
     """Transfers per forward of a block of interleaved layers: handed on from layer to layer
-    (one gather and one reduce-scatter per piece at the block's ends, two all-reduces per
-    piece per layer but the last), or per layer under full recompute, each layer run twice."""
+    (at the block's ends one gather and one reduction per piece, the first piece's gather
+    and the last piece's reduction of the other ranks' rows only; two all-reduces per piece
+    per layer but the last), or per layer under full recompute, each layer run twice."""
+    ends = {"gather": pieces - 1, "gather_others": 1, "reduce_scatter": pieces - 1}
+    ends["reduce_others"] = 1
     if recompute == "full":
-        return {kind: 2 * layers * pieces for kind in TRANSFERS}
-    return {"gather": pieces, "all_reduce": (2 * layers - 1) * pieces, "reduce_scatter": pieces}
+        return {kind: 2 * layers * n for kind, n in {**ends, "all_reduce": pieces}.items()}
+    return {**ends, "all_reduce": (2 * layers - 1) * pieces}
 
 
 SPEC_VARIANTS = (  # tp_mode, fused ring MLP, recompute, interleave pieces
@@ -330,9 +334,12 @@ def _hand_on_landings(rank: int, world: int) -> None:
         with _counted_transfers() as transfers:
             handed = run(block)
         # per forward (run makes two): 4 pieces after 2, the second layer lands the first
-        # one's 2 pieces and gathers 4 itself
-        gathers = 2 + (second if second == 4 else 0)
-        expect = {"gather": gathers, "all_reduce": 4 + second, "reduce_scatter": second}
+        # one's 2 pieces and gathers 4 itself; a layer's first piece gathers and the last
+        # piece of a layer that does not hand on reduces the other ranks' rows only
+        gathers = 1 + (second - 1 if second == 4 else 0)
+        ends = {"reduce_scatter": second - 1, "reduce_others": 1}
+        others = {"gather_others": 1 + (second == 4)}
+        expect = {"gather": gathers, **others, "all_reduce": 4 + second, **ends}
         assert transfers == {kind: 2 * n for kind, n in expect.items()}, (second, transfers)
         block.layers[0].hands_on = False
         reduced = run(block)
@@ -357,9 +364,11 @@ def _hand_on_landings(rank: int, world: int) -> None:
         )
         with _counted_transfers() as transfers:
             handed = run(block)
-        # per forward: the first layer's 2 gathers, 2 all-reduces per piece per interleaved
-        # layer, no reduce-scatter (the pieces land as all-reduced rows)
-        assert transfers == {"gather": 2 * 2, "all_reduce": 2 * 4 * interleaved}, transfers
+        # per forward: the first layer's 2 gathers (the first piece's of the others' rows), 2
+        # all-reduces per piece per interleaved layer, no reduction (the pieces land as
+        # all-reduced rows)
+        expect = {"gather": 2, "gather_others": 2, "all_reduce": 2 * 4 * interleaved}
+        assert transfers == expect, transfers
         for layer in block.layers:
             layer.hands_on = False
         reduced = run(block)

@@ -7,8 +7,8 @@ empty tensor carrying the autograd edge), ``*_finish`` waits and returns the res
 the caller issues in between (another micro-batch's attention, say) runs while the data
 travels: :mod:`ds_stpar.layers.interleave` is the user.
 
-Three patterns: Megatron's sequence-parallel pair, (P-1)/P of the tensor per rank, and their
-composition:
+Four patterns: Megatron's sequence-parallel pair, (P-1)/P of the tensor per rank, their
+composition, and the pair without this rank's own chunk:
 
 - **gather**: chunk d ``[n, ...]`` -> ``[P n, ...]`` in rank order; backward: the
   reduce-scatter of the gradient.
@@ -16,6 +16,12 @@ composition:
   ``[n, ...]``; backward: the gather of the gradient.
 - **all-reduce**: the sum on every rank (a reduce-scatter then a gather, in one collective);
   backward: the all-reduce of the gradient.
+- **the others' rows**, a gather and a reduce-scatter that leave this rank's own chunk out,
+  so that the caller works on it while the others travel (one all-to-all each, the same
+  volume as Megatron's): *gather of the others*, chunk d ``[n, ...]`` -> the other ranks'
+  chunks ``[(P-1) n, ...]`` in rank order; *reduce of the others*, this rank's terms for
+  the other ranks' chunks ``[(P-1) n, ...]`` -> the sum of the other ranks' terms for chunk
+  d ``[n, ...]``, to which the caller adds its own. Each is the other's adjoint.
 
 In the backward the roles swap: finish's backward *starts* the adjoint transfer and start's
 backward waits for it. Autograd runs the ready node created last first, so the backward
@@ -74,6 +80,47 @@ def _all_reduce_into(out: Tensor, x: Tensor, group: Group, async_op: bool):
 def start_all_reduce(x: Tensor, group: Group) -> _InFlight:
     """Issue the sum of ``x`` over ``group``; ``finish()`` -> the sum, on every rank."""
     return _issue(_all_reduce_into, torch.empty_like(x), x, group)
+
+
+class _SumOfParts(_InFlight):
+    """An all-to-all of ``parts`` equal chunks whose :meth:`finish` sums them."""
+
+    def __init__(self, work, out: Tensor, parts: int):
+        super().__init__(work, out)
+        self._parts = parts
+
+    def finish(self) -> Tensor:
+        out = super().finish()
+        return out if self._parts == 1 else out.view(self._parts, -1, *out.shape[1:]).sum(0)
+
+
+def _others(group: Group, rows: int) -> list[int]:
+    """All-to-all split sizes: ``rows`` to or from every rank but this one."""
+    return [0 if rank == group.rank() else rows for rank in range(group.size())]
+
+
+def start_reduce_others(x: Tensor, group: Group) -> _InFlight:
+    """Issue sending ``x`` ``[(P-1) n, ...]`` (this rank's terms for the other ranks' chunks,
+    rank order) to those ranks; ``finish()`` -> ``[n, ...]``, the sum of the other ranks'
+    terms for chunk d."""
+    parts = group.size() - 1
+    splits = _others(group, x.shape[0] // parts)
+    out = torch.empty_like(x)
+    return _SumOfParts(
+        dist.all_to_all_single(out, x, splits, splits, group=group, async_op=True), out, parts
+    )
+
+
+def start_gather_others(x: Tensor, group: Group) -> _InFlight:
+    """Issue sending ``x`` ``[n, ...]`` (chunk d) to every other rank; ``finish()`` ->
+    ``[(P-1) n, ...]``, the other ranks' chunks in rank order."""
+    parts = group.size() - 1
+    sent = x if parts == 1 else x.repeat(parts, *([1] * (x.dim() - 1)))
+    out = torch.empty_like(sent)
+    splits = _others(group, x.shape[0])
+    return _InFlight(
+        dist.all_to_all_single(out, sent, splits, splits, group=group, async_op=True), out
+    )
 
 
 def start_reduce_scatter(x: Tensor, group: Group) -> _InFlight:
@@ -150,6 +197,38 @@ def reduce_scatter_start(x: Tensor, group: Group) -> tuple[Tensor, Transfer]:
 def reduce_scatter_finish(token: Tensor, transfer: Transfer) -> Tensor:
     """``[n, ...]``: chunk d of the sum over ranks (waits for the reduce-scatter)."""
     return _Finish.apply(token, transfer, start_gather)
+
+
+def gather_others_start(x: Tensor, group: Group) -> tuple[Tensor, Transfer]:
+    """Start sending ``x`` ``[n, ...]`` (this rank's chunk, dim 0) to every other rank of
+    ``group``; returns (token, transfer) for :func:`gather_others_finish`."""
+    if group.size() < 2:
+        raise ValueError("a group of one has no other ranks to gather from")
+    transfer = Transfer(group)
+    return _Start.apply(x, transfer, start_gather_others), transfer
+
+
+def gather_others_finish(token: Tensor, transfer: Transfer) -> Tensor:
+    """``[(P-1) n, ...]``: the other ranks' chunks in rank order (waits for them)."""
+    return _Finish.apply(token, transfer, start_reduce_others)
+
+
+def reduce_others_start(x: Tensor, group: Group) -> tuple[Tensor, Transfer]:
+    """Start sending ``x`` ``[(P-1) n, ...]``, this rank's terms for the other ranks' chunks
+    (rank order, its own left out), to those ranks; returns (token, transfer) for
+    :func:`reduce_others_finish`."""
+    if group.size() < 2 or x.shape[0] % (group.size() - 1):
+        raise ValueError(
+            f"dim 0 of size {x.shape[0]} must divide by the other ranks' count {group.size() - 1}"
+        )
+    transfer = Transfer(group)
+    return _Start.apply(x, transfer, start_reduce_others), transfer
+
+
+def reduce_others_finish(token: Tensor, transfer: Transfer) -> Tensor:
+    """``[n, ...]``: the sum of the other ranks' terms for chunk d (waits for them); the
+    caller adds its own term to make chunk d of the reduce-scatter."""
+    return _Finish.apply(token, transfer, start_gather_others)
 
 
 def all_reduce_start(x: Tensor, group: Group) -> tuple[Tensor, Transfer]:

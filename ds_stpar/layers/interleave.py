@@ -15,15 +15,30 @@ is cut along the batch into k pieces ``[s/P, b/k, h]``. The transfers are
 attention and the MLP are this layer's own submodules with their linears in
 ``local_compute`` mode, so they run only this rank's GEMMs. For k = 2 (pieces A, B)::
 
-    start gather x_A;  start gather x_B
-    finish gather A: norm1, attention(A), start all-reduce A      (gather B travels)
+    start sending x_A's rows to the other ranks;  norm1 + QKV(A own rows);  start gather x_B
+    others' rows of A: norm1 + QKV(A others' rows), attention(A), start all-reduce A
+                                                                  (gather B travels)
     finish gather B: norm1, attention(B), start all-reduce B      (all-reduce A travels)
     finish all-reduce A: + residual, norm2, MLP(A), start reduce-scatter A   (all-reduce B)
-    finish all-reduce B: + residual, norm2, MLP(B), start reduce-scatter B   (reduce A)
-    finish reduce A, + residual (own rows);  the same for B;  output = [A; B]
+    finish all-reduce B: + residual, norm2, MLP(B rows of the other ranks),
+                         start sending them;  land A;  MLP(B own rows)        (reduce A, B)
+    finish B: the other ranks' terms + its own, + residual (own rows);  output = [A; B]
 
-and for larger k the same loops over more pieces. Every transfer but the first gather and the
-last reduction hides behind another piece's attention or MLP.
+and for larger k the same loops over more pieces. Every transfer hides behind another piece's
+attention or MLP, but the layer's first and last, which hide behind this rank's own rows:
+the GEMMs and norms work row by row, so the first piece gathers only the other ranks' rows
+(``gather_others_start``) while its own rows run their norm and QKV GEMM, and the last piece
+runs the rows the other ranks keep first and sends this rank's terms of them
+(``reduce_others_start``: the reduce-scatter without the own term) while its own rows run
+their MLP; both move Megatron's volume, as one all-to-all each. The backward mirrors it: it
+starts with the last piece's own rows, whose output gradient is local, while the other
+ranks' gradient rows arrive, and ends with the first piece's own QKV GEMM while the others'
+input gradients travel (the adjoints of a gather and a reduce-scatter had nothing to hide
+behind). The other pieces land before the last piece's own rows run, which puts the own
+rows' backward ahead of the other pieces' gathers on the compute stream (``_last_piece``).
+Over the slow link (2 x H100, twenty-seventh session, call 169) this took a layer from
+1.19-1.20x Megatron TP2 + SP to 1.242-1.295x at h 8192 and from 1.37-1.42x to 1.43-1.475x
+at h 4096; over NVLink, where the planner does not choose the layer, it cost 0-9% (call 170).
 
 In a stack the layer hands on. A layer followed by another interleaved layer in its block
 (``hands_on``) ends with an all-reduce per piece instead of the reduce-scatter, and returns
@@ -112,7 +127,11 @@ from ds_stpar.layers.async_comm import (
     all_reduce_finish,
     all_reduce_start,
     gather_finish,
+    gather_others_finish,
+    gather_others_start,
     gather_start,
+    reduce_others_finish,
+    reduce_others_start,
     reduce_scatter_finish,
     reduce_scatter_start,
 )
@@ -312,13 +331,15 @@ class InterleavedTransformerLayer(TransformerLayer):
         group = self._tp_group()
         masks = _split_mask(kwargs.pop("attention_mask", None), hidden_states.shape[1], count)
         extra = {name: kwargs[name] for name in ATTENTION_KWARGS if kwargs.get(name) is not None}
-        if handoff is None:
-            gathers = [gather_start(x, group) for x in hidden_states.chunk(count, dim=1)]
-            arrivals = [partial(gather_finish, *gather) for gather in gathers]
-        else:
-            arrivals, handoff = handoff.arrivals, None
         hand_on = self._hand_on_now()
         with local_compute(self.self_attention, self.mlp):
+            if handoff is None:
+                first, *rest = hidden_states.chunk(count, dim=1)
+                arrivals = [self._first_piece(first, group)]  # issued before the others' gathers
+                arrivals += [partial(_plain, gather_finish, *gather_start(x, group)) for x in rest]
+            else:
+                arrivals = [partial(_plain, arrive) for arrive in handoff.arrivals]
+                handoff = None
             output = self._pieces(arrivals, group, masks, extra, hand_on)
         if hand_on:
             return HandoffTensor.carrying(output, like=hidden_states), None
@@ -331,16 +352,23 @@ class InterleavedTransformerLayer(TransformerLayer):
         """The interleaved schedule of the module docstring over the pieces ``arrivals``
         give; the output rows ``[s/P, b, h]``, or the pieces in flight when ``hand_on``."""
         sums, residuals = [], []
+        attention = self.self_attention
         for index, mask in enumerate(masks):
-            full, arrivals[index] = arrivals[index](), None  # free what the arrival holds
-            out, bias = self.self_attention(
-                self.input_layernorm(full), attention_mask=mask, **extra
-            )
+            (full, qkv), arrivals[index] = arrivals[index](), None  # free what the arrival holds
+            if qkv is None:
+                out, bias = attention(self.input_layernorm(full), attention_mask=mask, **extra)
+            else:  # the QKV GEMM ran already; ``full`` only gives the shape there
+                with _given_output(attention.linear_qkv, qkv):
+                    out, bias = attention(full, attention_mask=mask, **extra)
             sums.append((all_reduce_start(out, group), bias))
             residuals.append(full)
         landings = []
-        for ((token, transfer), bias), full in zip(sums, residuals, strict=True):
+        for index, (((token, transfer), bias), full) in enumerate(
+            zip(sums, residuals, strict=True)
+        ):
             middle = self._add(self.self_attn_bda, all_reduce_finish(token, transfer), bias, full)
+            if not hand_on and index == len(sums) - 1:
+                return torch.cat(self._last_piece(middle, group, landings), dim=1)
             out, bias = self.mlp(self.pre_mlp_layernorm(middle))
             if hand_on:
                 land = (all_reduce_finish, *all_reduce_start(out, group), bias, middle)
@@ -348,9 +376,44 @@ class InterleavedTransformerLayer(TransformerLayer):
                 own = _own_rows(middle, group)
                 land = (reduce_scatter_finish, *reduce_scatter_start(out, group), bias, own)
             landings.append(partial(self._land, *land))
-        if hand_on:
-            return Handoff(landings, group)
-        return torch.cat([land() for land in landings], dim=1)
+        return Handoff(landings, group)
+
+    def _first_piece(self, x: Tensor, group) -> Callable[[], tuple[Tensor, tuple]]:
+        """Start the first piece (module docstring): send its rows ``x`` ``[s/P, b/k, h]`` to
+        the other ranks and run their norm and QKV GEMM while the other ranks' rows come;
+        returns the piece's arrival: its rows ``[s, b/k, h]`` and its QKV output with bias."""
+        qkv_linear = self.self_attention.linear_qkv
+        token, transfer = gather_others_start(x, group)
+        qkv_own, bias = qkv_linear(self.input_layernorm(x))
+
+        def arrive() -> tuple[Tensor, tuple]:
+            others = gather_others_finish(token, transfer)
+            qkv_others, _ = qkv_linear(self.input_layernorm(others))
+            cut = group.rank() * x.shape[0]
+            full = torch.cat([others[:cut], x, others[cut:]])
+            qkv = torch.cat([qkv_others[:cut], qkv_own, qkv_others[cut:]])
+            return full, (qkv, bias)
+
+        return arrive
+
+    def _last_piece(self, middle: Tensor, group, landings: list[Callable]) -> list[Tensor]:
+        """The last piece's MLP (module docstring): the rows ``[s, b/k, h]`` of ``middle``
+        that the other ranks keep, their terms sent to them, then this rank's own rows
+        ``[s/P, b/k, h]`` while those travel; returns every piece's output rows.
+
+        The other pieces land before the own rows run, so that the backward (newest node
+        first) runs the own rows' MLP before it issues the other pieces' gathers: queued
+        behind this piece's transfer on NCCL's stream, a gather's launch would hold the
+        compute stream's kernels behind it too (``CUDA_DEVICE_MAX_CONNECTIONS=1``: one
+        hardware queue), as it did before this order (twenty-seventh session, call 167)."""
+        before, own, after = _rows_around_own(middle, group)
+        outs = [self.mlp(self.pre_mlp_layernorm(rows)) for rows in (before, after) if len(rows)]
+        others = outs[0][0] if len(outs) == 1 else torch.cat([out for out, _ in outs])
+        token, transfer = reduce_others_start(others, group)
+        landed = [land() for land in landings]
+        own_out, bias = self.mlp(self.pre_mlp_layernorm(own))
+        landed.append(self._land(partial(_plus, own_out), token, transfer, bias, own))
+        return landed
 
     def _land(self, finish: Callable, token: Tensor, transfer, bias, residual: Tensor) -> Tensor:
         """A piece's MLP output: wait for its transfer, add it onto the residual."""
@@ -365,8 +428,34 @@ class InterleavedTransformerLayer(TransformerLayer):
 
 
 def _own_rows(full: Tensor, group) -> Tensor:
+    return _rows_around_own(full, group)[1]
+
+
+def _rows_around_own(full: Tensor, group) -> tuple[Tensor, Tensor, Tensor]:
+    """``full`` ``[s, ...]`` cut at this rank's chunk of dim 0: (the rows before it, it, the
+    rows after it), views."""
     rows, me = full.shape[0] // group.size(), group.rank()
-    return full[me * rows : (me + 1) * rows]
+    return full[: me * rows], full[me * rows : (me + 1) * rows], full[(me + 1) * rows :]
+
+
+def _plain(arrive: Callable, *args) -> tuple[Tensor, None]:
+    """An arrival whose rows still need their norm and QKV GEMM: (rows, None)."""
+    return arrive(*args), None
+
+
+@contextmanager
+def _given_output(linear: torch.nn.Module, output: tuple):
+    """``linear`` returns ``output`` (its ``(output, bias)``) on its next calls, inside."""
+    linear.forward = lambda *args, **kwargs: output
+    try:
+        yield
+    finally:
+        del linear.forward
+
+
+def _plus(own: Tensor, token: Tensor, transfer) -> Tensor:
+    """Chunk d of the last piece's reduction: the other ranks' terms, landed, and this rank's."""
+    return reduce_others_finish(token, transfer) + own
 
 
 def _split_mask(mask: Tensor | None, batch: int, count: int) -> list[Tensor | None]:
