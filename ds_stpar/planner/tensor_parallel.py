@@ -266,28 +266,38 @@ def _flow_shop(
     reduce: float,
     pieces: int,
     layers: int = 1,
+    head: float = 0.0,
+    tail: float = 0.0,
 ) -> float:
     """Seconds from the first gather to the end of one pass of ``layers`` interleaved layers
     handing on (a block's; 1: a layer alone): the compute stream runs every piece's attention
     half, then every piece's MLP half, layer after layer; the link runs every piece's gather,
     then per layer the middle all-reduces and the boundary all-reduces (the last layer's:
     the reductions), one at a time. A half waits for its piece's transfer before it, a
-    transfer for its piece's half before it."""
-    link, ready = _in_turn(0.0, [0.0] * pieces, gather)
-    compute = 0.0
+    transfer for its piece's half before it; but ``head`` seconds of the first piece's first
+    half wait for nothing, and the last reduction does not wait for the last ``tail``
+    seconds of the last piece's last half (the work on this rank's own rows)."""
+    link, ready = _in_turn(0.0, [0.0] * pieces, [gather] * pieces)
+    compute = head
     for layer in range(layers):
-        compute, ready = _in_turn(compute, ready, attention)
-        link, ready = _in_turn(link, ready, middle)
-        compute, ready = _in_turn(compute, ready, mlp)
-        link, ready = _in_turn(link, ready, reduce if layer == layers - 1 else middle)
+        first = [attention] * pieces
+        if layer == 0:
+            first[0] -= head
+        compute, ready = _in_turn(compute, ready, first)
+        link, ready = _in_turn(link, ready, [middle] * pieces)
+        compute, ready = _in_turn(compute, ready, [mlp] * pieces)
+        if layer == layers - 1:
+            ready[-1] -= tail
+        link, ready = _in_turn(link, ready, [reduce if layer == layers - 1 else middle] * pieces)
     return max(link, compute)
 
 
-def _in_turn(free: float, ready: list[float], length: float) -> tuple[float, list[float]]:
-    """One resource, free from ``free``, running a job of ``length`` per entry of ``ready`` in
-    order, none before its ready time: (when the resource is free again, each job's end)."""
+def _in_turn(free: float, ready: list[float], lengths: list[float]) -> tuple[float, list[float]]:
+    """One resource, free from ``free``, running a job of ``lengths[i]`` per entry of
+    ``ready`` in order, none before its ready time: (when the resource is free again, each
+    job's end)."""
     ends = []
-    for at in ready:
+    for at, length in zip(ready, lengths, strict=True):
         free = max(free, at) + length
         ends.append(free)
     return free, ends
@@ -318,8 +328,11 @@ def interleaved_block(
     (fc1 and fc2, the other half). Exposed communication = the span minus the pass's work,
     plus ``(1 - overlap)`` of the communication the span hides (a collective beside a GEMM
     slows it, as Megatron's overlapped backward collectives in :func:`megatron_block`).
-    ``attention`` and ``elementwise`` are the block's (all T tokens); the returned GEMMs are
-    the pieces' together, the communication what stays exposed beside all of it."""
+    The first piece's gather and the last piece's reduction leave out this rank's own rows,
+    whose QKV GEMM and MLP run while the others' rows travel (backward: the MLP's adjoint
+    first, the QKV GEMM's last): the flow shop's ``head`` and ``tail``, 1/P of that work. ``attention`` and ``elementwise`` are the block's
+    (all T tokens); the returned GEMMs are the pieces' together, the communication what
+    stays exposed beside all of it."""
     k, e = pieces, speed.e
     qkv, proj, fc1, fc2 = (megatron_gemm(lin, tokens / k, tp) for lin in block_linears(model))
     size = e * tokens * model.hidden_size / k
@@ -353,8 +366,14 @@ def interleaved_block(
     )
     comm = k * ((gather + reduce) / n + middle * (2 - 1 / n))
     exposed = []
-    for first, second in (forward, backward_pass):
-        span = _flow_shop(first, second, gather, middle, reduce, k, n) / n
+    # this rank's own rows: the first piece's QKV GEMM and the last piece's MLP forward, the
+    # latter's adjoint first and the former's last backward
+    ends = (
+        (speed.gemm(qkv) / tp, forward[1] / tp),
+        (backward_pass[0] / tp, backward(qkv) / tp),
+    )
+    for (first, second), (head, tail) in zip((forward, backward_pass), ends, strict=True):
+        span = _flow_shop(first, second, gather, middle, reduce, k, n, head, tail) / n
         shown = max(0.0, span - k * (first + second))
         exposed.append(shown + (1.0 - overlap) * max(0.0, comm - shown))
     result.gemm, result.comm = gemm, Phase(*exposed)
