@@ -38,7 +38,8 @@ behind). The other pieces land before the last piece's own rows run, which puts 
 rows' backward ahead of the other pieces' gathers on the compute stream (``_last_piece``).
 Over the slow link (2 x H100, twenty-seventh session, call 169) this took a layer from
 1.19-1.20x Megatron TP2 + SP to 1.242-1.295x at h 8192 and from 1.37-1.42x to 1.43-1.475x
-at h 4096; over NVLink, where the planner does not choose the layer, it cost 0-9% (call 170).
+at h 4096; over NVLink, where the planner does not choose the layer, 0.89-0.98x against
+0.93-1.01x (call 170).
 
 In a stack the layer hands on. A layer followed by another interleaved layer in its block
 (``hands_on``) ends with an all-reduce per piece instead of the reduce-scatter, and returns
