@@ -192,9 +192,9 @@ OWN_ROWS_FIRST = RESULTS / "2026-11-28-s27"  # calls 169 (slow link) and 170 (NV
 def test_todays_interleaved_layer_within_ten_percent_ranked_first_over_the_slow_link_only():
     # The layer whose first gather and last reduction run beside its own rows: over the slow
     # link measured +1.5% to +6.4% with 2 pieces, -4.8% to +2.5% with 4, and ranked ahead of
-    # Megatron TP2 + SP (measured 1.24-1.48x) and of the ring with the fused MLP (1.07-1.12x
+    # Megatron TP2 + SP (measured 1.242-1.475x) and of the ring with the fused MLP (1.07-1.12x
     # in call 156); over NVLink, where it ran 0.89-0.98x Megatron, ranked behind it
-    # (predicted 4-9% fast, by as little as 0.4% behind Megatron at h 4096 / 8K).
+    # (predicted 4-9% fast, 0.8-1.7% behind Megatron's price, least at h 8192 / 32K).
     gpu = "h100-80g"
     links, measured = (
         _links(gpu, "slow"),
@@ -275,7 +275,7 @@ def test_search_takes_the_interleaved_layer_over_a_slow_link_only_when_asked():
     assert not any(est.strategy.interleave for est in plain.top)
 
 
-def test_host_per_piece_reproduces_the_whole_model_runs():
+def test_host_per_piece_reproduces_the_whole_model_runs(edges_whole):
     # bench/planner_accuracy.py cases 20 and 22 (gpt3-2.7b, TP2, micro-batches of 2 x 4096,
     # the interleaved layer handing on; twenty-first session): on 2 x H200 (call 118) over
     # NVLink the interleaved layer's step (2.185 s) is host-bound: the shipped host per piece

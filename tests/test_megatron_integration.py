@@ -409,6 +409,82 @@ def _hand_on_landings(rank: int, world: int) -> None:
     parallel_state.destroy_model_parallel()
 
 
+def _backward_order(rank: int, world: int) -> None:
+    """The interleaved layer's backward order that lets its edge transfers hide (layers.md):
+    it issues the last piece's gather of the other ranks' gradient rows, then runs that
+    piece's own rows' MLP backward before it issues any other transfer (a collective queued
+    behind the first on NCCL's stream would hold the own rows' kernels behind it on the GPU),
+    and it ends by issuing the first piece's reduction of the other ranks' rows and running
+    the own rows' QKV backward before waiting for it."""
+    from ds_stpar.integrations import megatron_cpu
+
+    megatron_cpu.apply()
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlock,
+        TransformerBlockSubmodules,
+    )
+
+    from ds_stpar.integrations.megatron import transformer_config
+    from ds_stpar.layers import async_comm, local
+    from ds_stpar.layers.megatron_spec import get_gpt_layer_stpar_spec
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    pgs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "pp", "cp"])
+    model = dataclasses.replace(TINY_LLAMA, num_layers=1)
+    strategy = Strategy(Layout(tp=world, tp_mode="ring"), sequence_parallel=True)
+    config = transformer_config(model, strategy, "fp32")
+    layer = get_gpt_layer_stpar_spec("ring", interleave=2)
+    layer = dataclasses.replace(layer, params={**layer.params, "hands_on": False})
+    block = TransformerBlock(
+        config,
+        TransformerBlockSubmodules(layer_specs=[layer]),
+        post_layer_norm=False,
+        pg_collection=pgs,
+    )
+    own = 16 // world  # the sequence's rows on this rank
+    x = torch.randn(own, 4, model.hidden_size, requires_grad=True)
+    out = block(x, attention_mask=None)
+
+    events: list[str] = []
+    originals = {}
+
+    def record(cls, name: str, label) -> None:
+        originals[(cls, name)] = original = getattr(cls, name)
+
+        def backward(ctx, *grads):
+            events.append(label(ctx))
+            return original(ctx, *grads)
+
+        setattr(cls, name, staticmethod(backward))
+
+    record(async_comm._Finish, "backward", lambda ctx: f"issue {ctx.adjoint.__name__}")
+    record(async_comm._Start, "backward", lambda ctx: "wait")
+    rows = lambda ctx: ctx.saved_tensors[0].shape[0]  # noqa: E731
+    record(local._ActivationLinear, "backward", lambda ctx: f"fc2 {rows(ctx)}")
+    record(local._LocalLinear, "backward", lambda ctx: f"linear {rows(ctx)}")
+    try:
+        out.backward(torch.randn_like(out))
+    finally:
+        for (cls, name), original in originals.items():
+            setattr(cls, name, staticmethod(original))
+    issues = [i for i, event in enumerate(events) if event.startswith("issue")]
+    assert events[0] == "issue start_gather_others", events
+    assert events[1] == f"fc2 {own}", events  # the own rows' MLP before any other transfer
+    assert issues[1] > 1, events
+    last = issues[-1]
+    assert events[last] == "issue start_reduce_others", events
+    # the own rows' QKV backward (its saved rows: this rank's) runs before the last wait
+    assert events[-1] == "wait" and f"linear {own}" in events[last:-1], events
+    parallel_state.destroy_model_parallel()
+
+
+def test_interleaved_backward_runs_the_own_rows_beside_the_edge_transfers():
+    run_workers(_backward_order, 2)
+
+
 def test_interleaved_layer_handing_on_matches_reducing_and_lands_for_other_pieces():
     run_workers(_hand_on_landings, 2)
 

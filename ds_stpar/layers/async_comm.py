@@ -28,7 +28,8 @@ backward waits for it. Autograd runs the ready node created last first, so the b
 issues and overlaps in the forward's order reversed.
 
 Transport: the group's own collectives (``all_gather_single`` / ``reduce_scatter_single``,
-the ``*_into_tensor`` / ``*_tensor`` names before torch 2.13, and ``all_reduce``) with
+the ``*_into_tensor`` / ``*_tensor`` names before torch 2.13, ``all_reduce``, and
+``all_to_all_single`` for the others' rows, NCCL's send/receive kernel at P = 2) with
 ``async_op=True``: NCCL runs them on its own stream after the work already queued on the
 current stream, and ``finish`` makes the current stream wait for them. At P = 2 each gather
 or reduce-scatter is one exchange with the neighbour, the ring's hop; NCCL's collective moved
@@ -217,7 +218,9 @@ def reduce_others_start(x: Tensor, group: Group) -> tuple[Tensor, Transfer]:
     """Start sending ``x`` ``[(P-1) n, ...]``, this rank's terms for the other ranks' chunks
     (rank order, its own left out), to those ranks; returns (token, transfer) for
     :func:`reduce_others_finish`."""
-    if group.size() < 2 or x.shape[0] % (group.size() - 1):
+    if group.size() < 2:
+        raise ValueError("a group of one has no other ranks to reduce for")
+    if x.shape[0] % (group.size() - 1):
         raise ValueError(
             f"dim 0 of size {x.shape[0]} must divide by the other ranks' count {group.size() - 1}"
         )

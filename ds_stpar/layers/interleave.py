@@ -53,13 +53,14 @@ piece::
                 finish all-reduce B: + residual, ...                   (all-reduce A travels)
 
 So the block's boundary transfers hide as its middle ones do: only the first layer's gather
-and the last layer's reduction stay exposed, once per model chunk (a pipeline stage's block,
-or each virtual stage's), not per layer. The reduce-scatter then gather at a boundary become
-one all-reduce (same bytes; a transfer back to back with a little work between would stay
-exposed, as in the middle). Not under Megatron's full-layer recompute or CPU offloading (the
-block then wraps layers in checkpoints or offload hooks that take plain tensors). A receiving
-layer whose own call would run otherwise (other pieces, positional arguments) lands the
-pieces and keeps its rows, the real ``[s/P, b, h]``, and runs from that. Anything else that
+and the last layer's reduction hide behind this rank's own rows alone, once per model chunk
+(a pipeline stage's block, or each virtual stage's), not per layer. The reduce-scatter then
+gather at a boundary become one all-reduce (same bytes; a transfer back to back with a little
+work between would stay exposed, as in the middle). Not under Megatron's full-layer
+recompute or CPU offloading (the block then wraps layers in checkpoints or offload hooks that
+take plain tensors). A receiving layer whose own call would run otherwise (other pieces,
+positional arguments) lands the pieces and keeps its rows, the real ``[s/P, b, h]``, and runs
+from that. Anything else that
 uses the placeholder (a layer that is not interleaved, the final norm, a loss) lands it too
 on first use (:class:`HandoffTensor`): a layer told to hand on where nothing takes its pieces
 is late, never wrong.
@@ -99,9 +100,9 @@ When it runs: TP group of P > 1, a batch the pieces divide (else gcd(batch, k) p
 Megatron's forward), no hidden dropout while training (every rank adds the residual to all
 rows, so a dropout mask drawn per rank would differ between ranks), no packed sequences (a
 packed micro-batch is one row), no inference context, cross-attention, recompute of the norms
-or the MLP, or activation offloading, and row linears that leave their bias to the caller (Megatron's projection and
-fc2 do). Otherwise the layer is Megatron's ``TransformerLayer`` over the ring linears (same
-weights, same function).
+or the MLP, or activation offloading (the QKV linear's included), and row linears that leave
+their bias to the caller (Megatron's projection and fc2 do). Otherwise the layer is
+Megatron's ``TransformerLayer`` over the ring linears (same weights, same function).
 """
 
 from __future__ import annotations
@@ -304,6 +305,7 @@ class InterleavedTransformerLayer(TransformerLayer):
             and not self.recompute_pre_mlp_layernorm
             and not self.recompute_mlp
             and not self.offload_attn_norm
+            and not getattr(self.self_attention, "offload_qkv_linear", False)
             and not self.offload_mlp_norm
             and not (self.training and self.hidden_dropout > 0)
             and all(
@@ -446,12 +448,17 @@ def _plain(arrive: Callable, *args) -> tuple[Tensor, None]:
 
 @contextmanager
 def _given_output(linear: torch.nn.Module, output: tuple):
-    """``linear`` returns ``output`` (its ``(output, bias)``) on its next calls, inside."""
+    """``linear`` returns ``output`` (its ``(output, bias)``) on its calls inside; its own
+    ``forward``, an instance's included, again after."""
+    own = linear.__dict__.get("forward")
     linear.forward = lambda *args, **kwargs: output
     try:
         yield
     finally:
-        del linear.forward
+        if own is None:
+            del linear.forward
+        else:
+            linear.forward = own
 
 
 def _plus(own: Tensor, token: Tensor, transfer) -> Tensor:
