@@ -284,6 +284,25 @@ def _hand_on_per_stage(rank: int, world: int) -> None:
     parallel_state.destroy_model_parallel()
 
 
+def _ring_layers(world: int, layers: int):
+    """Megatron's model-parallel state over a TP group of ``world`` gloo ranks, and the tiny
+    Llama of ``layers`` layers as a ring layout's config: (model, config, process groups)."""
+    from ds_stpar.integrations import megatron_cpu
+
+    megatron_cpu.apply()
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from ds_stpar.integrations.megatron import transformer_config
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    pgs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "pp", "cp"])
+    model = dataclasses.replace(TINY_LLAMA, num_layers=layers)
+    strategy = Strategy(Layout(tp=world, tp_mode="ring"), sequence_parallel=True)
+    return model, transformer_config(model, strategy, "fp32"), pgs
+
+
 def _hand_on_landings(rank: int, world: int) -> None:
     """A block of two interleaved layers, the first handing on: the same output and gradients
     as with the first layer reducing its own output, with and without autograd; when the
@@ -291,25 +310,15 @@ def _hand_on_landings(rank: int, world: int) -> None:
     when nothing interleaved takes them, the placeholder lands on first use; landed early, it
     feeds the next layer its rows; taken, it refuses further use; made with autograd on, it
     refuses to land with it off."""
-    from ds_stpar.integrations import megatron_cpu
-
-    megatron_cpu.apply()
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core import parallel_state
     from megatron.core.transformer.transformer_block import (
         TransformerBlock,
         TransformerBlockSubmodules,
     )
 
-    from ds_stpar.integrations.megatron import transformer_config
     from ds_stpar.layers.megatron_spec import get_gpt_layer_stpar_spec
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    pgs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "pp", "cp"])
-    model = dataclasses.replace(TINY_LLAMA, num_layers=2)
-    strategy = Strategy(Layout(tp=world, tp_mode="ring"), sequence_parallel=True)
-    config = transformer_config(model, strategy, "fp32")
+    model, config, pgs = _ring_layers(world, layers=2)
     torch.manual_seed(11)
     x = torch.randn(16 // world, 4, model.hidden_size)
     dy = torch.randn_like(x)
@@ -416,26 +425,16 @@ def _backward_order(rank: int, world: int) -> None:
     behind the first on NCCL's stream would hold the own rows' kernels behind it on the GPU),
     and it ends by issuing the first piece's reduction of the other ranks' rows and running
     the own rows' QKV backward before waiting for it."""
-    from ds_stpar.integrations import megatron_cpu
-
-    megatron_cpu.apply()
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core import parallel_state
     from megatron.core.transformer.transformer_block import (
         TransformerBlock,
         TransformerBlockSubmodules,
     )
 
-    from ds_stpar.integrations.megatron import transformer_config
     from ds_stpar.layers import async_comm, local
     from ds_stpar.layers.megatron_spec import get_gpt_layer_stpar_spec
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    pgs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "pp", "cp"])
-    model = dataclasses.replace(TINY_LLAMA, num_layers=1)
-    strategy = Strategy(Layout(tp=world, tp_mode="ring"), sequence_parallel=True)
-    config = transformer_config(model, strategy, "fp32")
+    model, config, pgs = _ring_layers(world, layers=1)
     layer = get_gpt_layer_stpar_spec("ring", interleave=2)
     layer = dataclasses.replace(layer, params={**layer.params, "hands_on": False})
     block = TransformerBlock(
