@@ -29,6 +29,7 @@ from ds_stpar.layers.async_comm import (
     all_reduce_finish,
     all_reduce_start,
     gather_finish,
+    gather_others_start,
     gather_start,
     reduce_others_finish,
     reduce_others_start,
@@ -116,12 +117,18 @@ def _check_reduce_others(group, tag: int) -> None:
     """The reduction of the other ranks' rows: rank e's terms for chunk c are the rows of c
     in e's [P n] tensor, of which e sends all but its own; rank d receives the sum of the
     others' terms for its chunk; the backward hands each rank every other rank's gradient
-    chunk, in rank order. A group of one has no other rank: refused."""
+    chunk, in rank order. A group of one has no other rank, and terms that do not cut into P - 1
+    equal chunks have no owners: refused."""
     size, me = group.size(), group.rank()
     if size == 1:
         with pytest.raises(ValueError, match="other ranks"):
             reduce_others_start(_data(tag, (2, 3)), group)
+        with pytest.raises(ValueError, match="other ranks"):
+            gather_others_start(_data(tag, (2, 3)), group)
         return
+    if size > 2:  # P rows do not cut into P - 1 equal chunks
+        with pytest.raises(ValueError, match="must divide by the other ranks' count"):
+            reduce_others_start(_data(tag, (size, 3)), group)
 
     def others(tensor: torch.Tensor) -> torch.Tensor:
         return torch.cat([tensor[2 * e : 2 * e + 2] for e in range(size) if e != me])

@@ -240,6 +240,9 @@ def _check_pieces(layer) -> None:
     assert layer.pieces_for(torch.empty(8, 3, 64), {}) == 1
     assert layer.pieces_for(torch.empty(8, 8, 64), {}) == 4
     assert layer.pieces_for(torch.empty(8, 8, 64), {"packed_seq_params": object()}) == 1
+    layer.self_attention.offload_qkv_linear = True  # would offload the QKV GEMM's input
+    assert layer.pieces_for(hidden, {}) == 1
+    layer.self_attention.offload_qkv_linear = False
     layer.hidden_dropout = 0.1  # a dropout mask per rank would differ between the ranks
     assert layer.train().pieces_for(hidden, {}) == 1
     assert layer.eval().pieces_for(hidden, {}) == 2
