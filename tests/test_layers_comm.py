@@ -110,6 +110,13 @@ def _check_async_transfers(group, tag: int) -> None:
     assert torch.equal(v, _data(tag + 400 + me, (2, 3))), "all-reduce changed its input"
     total.backward(_data(tag + 500 + me, (2, 3)))
     assert torch.equal(v.grad, sum(_data(tag + 500 + e, (2, 3)) for e in range(size)))
+    # consumed: the sum is made in the input's own memory; the gradient as before
+    fresh = _data(tag + 400 + me, (2, 3)).requires_grad_() * 1
+    total = all_reduce_finish(*all_reduce_start(fresh, group, consume=True))
+    assert total.data_ptr() == fresh.data_ptr(), "a consumed all-reduce copied its input"
+    assert torch.equal(total, sum(_data(tag + 400 + e, (2, 3)) for e in range(size)))
+    grad = _data(tag + 500 + me, (2, 3))
+    assert torch.equal(torch.autograd.grad(total, fresh, grad)[0], v.grad), "consumed: grad"
     _check_reduce_others(group, tag + 600)
 
 

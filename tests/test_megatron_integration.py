@@ -94,9 +94,9 @@ def _counted_transfers():
     starts = {kind: getattr(interleave, f"{kind}_start") for kind in TRANSFERS}
 
     def counted(kind: str):
-        def start(*args):
+        def start(*args, **kwargs):
             counts[kind] = counts.get(kind, 0) + 1
-            return starts[kind](*args)
+            return starts[kind](*args, **kwargs)
 
         return start
 
@@ -421,20 +421,14 @@ def _hand_on_landings(rank: int, world: int) -> None:
     parallel_state.destroy_model_parallel()
 
 
-def _backward_order(rank: int, world: int) -> None:
-    """The interleaved layer's backward order that lets its edge transfers hide (layers.md):
-    it issues the last piece's gather of the other ranks' gradient rows, then runs that
-    piece's own rows' MLP backward before it issues any other transfer (a collective queued
-    behind the first on NCCL's stream would hold the own rows' kernels behind it on the GPU),
-    and it ends by issuing the first piece's reduction of the other ranks' rows and running
-    the own rows' QKV backward before waiting for it."""
-    from megatron.core import parallel_state
+def _one_interleaved_layer(world: int):
+    """A block of one interleaved layer (2 pieces, reducing its output) over a TP group of
+    ``world`` gloo ranks, and an input: 16 // world rows of a batch of 4 sequences."""
     from megatron.core.transformer.transformer_block import (
         TransformerBlock,
         TransformerBlockSubmodules,
     )
 
-    from ds_stpar.layers import async_comm, local
     from ds_stpar.layers.megatron_spec import get_gpt_layer_stpar_spec
 
     model, config, pgs = _ring_layers(world, layers=1)
@@ -446,8 +440,56 @@ def _backward_order(rank: int, world: int) -> None:
         post_layer_norm=False,
         pg_collection=pgs,
     )
-    own = 16 // world  # the sequence's rows on this rank
-    x = torch.randn(own, 4, model.hidden_size, requires_grad=True)
+    return block, torch.randn(16 // world, 4, model.hidden_size, requires_grad=True)
+
+
+def _backward_fills(rank: int, world: int) -> None:
+    """The interleaved layer's backward pads one gradient with zeros, not seven. Its views of
+    one tensor's rows (the own rows, the others', the first piece's assembly) come from
+    splits, whose backward concatenates the parts' gradients; slices' backward made a zero
+    tensor of the whole per part and autograd added them up (seven per layer step at h 8192,
+    twenty-eighth session, call 178). The one left: the first piece's residual takes only
+    this rank's rows of its middle, so the split's backward fills the others' rows."""
+    from megatron.core import parallel_state
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    block, x = _one_interleaved_layer(world)
+    piece = x.shape[0] * 2 * x.shape[2]  # this rank's rows of one piece
+    fills = []
+
+    class Fills(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if name in ("zeros", "new_zeros", "zero_", "fill_", "zeros_like", "slice_backward"):
+                if isinstance(out, torch.Tensor) and out.numel() >= piece:
+                    fills.append((name, tuple(out.shape)))
+            return out
+
+    out = block(x, attention_mask=None)
+    with Fills():
+        out.backward(torch.randn_like(out))
+    assert fills == [("zeros", (x.shape[0] * (world - 1), 2, x.shape[2]))], fills
+    parallel_state.destroy_model_parallel()
+
+
+def test_interleaved_backward_pads_one_gradient_with_zeros():
+    run_workers(_backward_fills, 2)
+
+
+def _backward_order(rank: int, world: int) -> None:
+    """The interleaved layer's backward order that lets its edge transfers hide (layers.md):
+    it issues the last piece's gather of the other ranks' gradient rows, then runs that
+    piece's own rows' MLP backward before it issues any other transfer (a collective queued
+    behind the first on NCCL's stream would hold the own rows' kernels behind it on the GPU),
+    and it ends by issuing the first piece's reduction of the other ranks' rows and running
+    the own rows' QKV backward before waiting for it."""
+    from megatron.core import parallel_state
+
+    from ds_stpar.layers import async_comm, local
+
+    block, x = _one_interleaved_layer(world)
+    own = x.shape[0]
     out = block(x, attention_mask=None)
 
     events: list[str] = []

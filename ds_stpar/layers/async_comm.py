@@ -83,6 +83,13 @@ def start_all_reduce(x: Tensor, group: Group) -> _InFlight:
     return _issue(_all_reduce_into, torch.empty_like(x), x, group)
 
 
+def start_all_reduce_in_place(x: Tensor, group: Group) -> _InFlight:
+    """:func:`start_all_reduce` summing into ``x`` itself: no copy, ``x`` is the sum after
+    ``finish()``, which returns it as a new tensor of the same memory (``x``'s own autograd
+    history is left as it was)."""
+    return _InFlight(dist.all_reduce(x, group=group, async_op=True), x.detach())
+
+
 class _SumOfParts(_InFlight):
     """An all-to-all of ``parts`` equal chunks whose :meth:`finish` sums them."""
 
@@ -234,11 +241,16 @@ def reduce_others_finish(token: Tensor, transfer: Transfer) -> Tensor:
     return _Finish.apply(token, transfer, start_gather_others)
 
 
-def all_reduce_start(x: Tensor, group: Group) -> tuple[Tensor, Transfer]:
+def all_reduce_start(x: Tensor, group: Group, consume: bool = False) -> tuple[Tensor, Transfer]:
     """Start summing ``x`` over ``group``; returns (token, transfer) for
-    :func:`all_reduce_finish`."""
+    :func:`all_reduce_finish`. ``consume``: ``x`` is a fresh result that nothing else reads
+    or saved for its backward (a linear's output handed straight here), so the sum is made
+    in its own memory instead of a copy's; it then holds the sum. The backward's all-reduce
+    copies its gradient either way: autograd hands the same gradient to other inputs (a
+    residual add's)."""
     transfer = Transfer(group)
-    return _Start.apply(x, transfer, start_all_reduce), transfer
+    issue = start_all_reduce_in_place if consume else start_all_reduce
+    return _Start.apply(x, transfer, issue), transfer
 
 
 def all_reduce_finish(token: Tensor, transfer: Transfer) -> Tensor:

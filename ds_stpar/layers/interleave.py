@@ -363,7 +363,7 @@ class InterleavedTransformerLayer(TransformerLayer):
             else:  # the QKV GEMM ran already; ``full`` only gives the shape there
                 with _given_output(attention.linear_qkv, qkv):
                     out, bias = attention(full, attention_mask=mask, **extra)
-            sums.append((all_reduce_start(out, group), bias))
+            sums.append((all_reduce_start(out, group, consume=True), bias))
             residuals.append(full)
         landings = []
         for index, (((token, transfer), bias), full) in enumerate(
@@ -374,7 +374,7 @@ class InterleavedTransformerLayer(TransformerLayer):
                 return torch.cat(self._last_piece(middle, group, landings), dim=1)
             out, bias = self.mlp(self.pre_mlp_layernorm(middle))
             if hand_on:
-                land = (all_reduce_finish, *all_reduce_start(out, group), bias, middle)
+                land = (all_reduce_finish, *all_reduce_start(out, group, True), bias, middle)
             else:
                 own = _own_rows(middle, group)
                 land = (reduce_scatter_finish, *reduce_scatter_start(out, group), bias, own)
@@ -393,8 +393,8 @@ class InterleavedTransformerLayer(TransformerLayer):
             others = gather_others_finish(token, transfer)
             qkv_others, _ = qkv_linear(self.input_layernorm(others))
             cut = group.rank() * x.shape[0]
-            full = torch.cat([others[:cut], x, others[cut:]])
-            qkv = torch.cat([qkv_others[:cut], qkv_own, qkv_others[cut:]])
+            full = _with_own(others, x, cut)
+            qkv = _with_own(qkv_others, qkv_own, cut)
             return full, (qkv, bias)
 
         return arrive
@@ -436,9 +436,24 @@ def _own_rows(full: Tensor, group) -> Tensor:
 
 def _rows_around_own(full: Tensor, group) -> tuple[Tensor, Tensor, Tensor]:
     """``full`` ``[s, ...]`` cut at this rank's chunk of dim 0: (the rows before it, it, the
-    rows after it), views."""
+    rows after it), views of one split. Its backward concatenates the parts' gradients once;
+    slices would each make a zero tensor of ``full``'s size for their gradient, which autograd
+    then adds up (twenty-eighth session, call 178: 7 such fills and their adds and copies
+    per layer step)."""
     rows, me = full.shape[0] // group.size(), group.rank()
-    return full[: me * rows], full[me * rows : (me + 1) * rows], full[(me + 1) * rows :]
+    before, own, after = torch.split(full, [me * rows, rows, full.shape[0] - (me + 1) * rows])
+    return before, own, after
+
+
+def _with_own(others: Tensor, own: Tensor, cut: int) -> Tensor:
+    """``[others[:cut]; own; others[cut:]]`` (dim 0), splitting ``others`` only where ``own``
+    falls inside it (for the gradients, as in :func:`_rows_around_own`)."""
+    if cut == 0:
+        return torch.cat([own, others])
+    if cut == others.shape[0]:
+        return torch.cat([others, own])
+    before, after = torch.split(others, [cut, others.shape[0] - cut])
+    return torch.cat([before, own, after])
 
 
 def _plain(arrive: Callable, *args) -> tuple[Tensor, None]:
