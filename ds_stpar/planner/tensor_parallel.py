@@ -335,7 +335,7 @@ def interleaved_block(
     the pieces' together, the communication what stays exposed beside all of it. The two
     end transfers are priced as the gather and reduce-scatter they replace (the all-to-all
     took 3.2-3.4 ms against their 2.7-2.9 ms at h 8192 / 16K over the slow link, call 169's
-    trace; beside GEMMs the two kernels move a chunk at the same rate, call 181)."""
+    trace; beside GEMMs the all-to-all was no slower than the gather, call 181)."""
     k, e = pieces, speed.e
     qkv, proj, fc1, fc2 = (megatron_gemm(lin, tokens / k, tp) for lin in block_linears(model))
     size = e * tokens * model.hidden_size / k
