@@ -477,6 +477,41 @@ def test_interleaved_backward_pads_one_gradient_with_zeros():
     run_workers(_backward_fills, 2)
 
 
+def _sums_in_place(rank: int, world: int) -> None:
+    """The interleaved layer's forward all-reduces (one per piece, of the attention's output)
+    are handed fresh GEMM outputs and sum them in place (``consume``), with the same output
+    as summing copies."""
+    from megatron.core import parallel_state
+
+    from ds_stpar.layers import interleave
+
+    block, x = _one_interleaved_layer(world)
+    start = interleave.all_reduce_start
+    consumed = []
+
+    def recorded(*args, consume: bool = False):
+        consumed.append(consume)
+        return start(*args, consume=consume)
+
+    def copying(*args, consume: bool = False):
+        return start(*args)
+
+    outputs = []
+    for wrapper in (recorded, copying):
+        interleave.all_reduce_start = wrapper
+        try:
+            outputs.append(block(x, attention_mask=None))
+        finally:
+            interleave.all_reduce_start = start
+    assert consumed == [True, True], consumed
+    assert torch.equal(outputs[0], outputs[1])
+    parallel_state.destroy_model_parallel()
+
+
+def test_interleaved_forward_sums_its_outputs_in_place():
+    run_workers(_sums_in_place, 2)
+
+
 def _backward_order(rank: int, world: int) -> None:
     """The interleaved layer's backward order that lets its edge transfers hide (layers.md):
     it issues the last piece's gather of the other ranks' gradient rows, then runs that

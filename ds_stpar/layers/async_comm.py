@@ -245,7 +245,8 @@ def all_reduce_start(x: Tensor, group: Group, consume: bool = False) -> tuple[Te
     """Start summing ``x`` over ``group``; returns (token, transfer) for
     :func:`all_reduce_finish`. ``consume``: ``x`` is a fresh result that nothing else reads
     or saved for its backward (a linear's output handed straight here), so the sum is made
-    in its own memory instead of a copy's; it then holds the sum. The backward's all-reduce
+    in its own memory instead of a copy's; it then holds the sum (a strided ``x`` is copied
+    to a contiguous one first, which holds it instead). The backward's all-reduce
     copies its gradient either way: autograd hands the same gradient to other inputs (a
     residual add's)."""
     transfer = Transfer(group)
