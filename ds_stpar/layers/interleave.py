@@ -374,7 +374,8 @@ class InterleavedTransformerLayer(TransformerLayer):
                 return torch.cat(self._last_piece(middle, group, landings), dim=1)
             out, bias = self.mlp(self.pre_mlp_layernorm(middle))
             if hand_on:
-                land = (all_reduce_finish, *all_reduce_start(out, group, True), bias, middle)
+                summed = all_reduce_start(out, group, consume=True)
+                land = (all_reduce_finish, *summed, bias, middle)
             else:
                 own = _own_rows(middle, group)
                 land = (reduce_scatter_finish, *reduce_scatter_start(out, group), bias, own)
@@ -438,8 +439,8 @@ def _rows_around_own(full: Tensor, group) -> tuple[Tensor, Tensor, Tensor]:
     """``full`` ``[s, ...]`` cut at this rank's chunk of dim 0: (the rows before it, it, the
     rows after it), views of one split. Its backward concatenates the parts' gradients once;
     slices would each make a zero tensor of ``full``'s size for their gradient, which autograd
-    then adds up (twenty-eighth session, call 178: 7 such fills and their adds and copies
-    per layer step)."""
+    then adds up (twenty-eighth session, call 178: seven such fills a layer step, with their
+    copies and adds, these and :func:`_with_own`'s)."""
     rows, me = full.shape[0] // group.size(), group.rank()
     before, own, after = torch.split(full, [me * rows, rows, full.shape[0] - (me + 1) * rows])
     return before, own, after
