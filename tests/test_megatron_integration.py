@@ -132,12 +132,38 @@ SPEC_VARIANTS = (  # tp_mode, fused ring MLP, recompute, interleave pieces
 )
 
 
+def _projection_grad_order(layer) -> list[str]:
+    """Records, in a backward through ``layer``, when the attention's backward is done (its
+    query's gradient made) and when the projection's weight gradient is accumulated."""
+    events: list[str] = []
+    attention = layer.self_attention
+
+    def hook_query(module, args, kwargs):
+        query = args[0] if args else kwargs["query"]
+        if query.requires_grad:  # not in the no-grad forward that full recompute runs first
+            query.register_hook(lambda grad: events.append("attention"))
+
+    attention.core_attention.register_forward_pre_hook(hook_query, with_kwargs=True)
+    attention.linear_proj.weight.register_post_accumulate_grad_hook(
+        lambda param: events.append("projection dW")
+    )
+    return events
+
+
 def _spec_parity(
-    rank: int, world: int, spec: ModelSpec = TINY_LLAMA, variants: tuple = SPEC_VARIANTS
+    rank: int,
+    world: int,
+    spec: ModelSpec = TINY_LLAMA,
+    variants: tuple = SPEC_VARIANTS,
+    defer_always: bool = False,
 ) -> None:
     """GPTModel with ds_stpar's spec (Megatron linears + SP; ring with its MLP fused, fused
     under full activation recompute, as two ring linears, and in the layer that interleaves
-    pieces of the batch) vs Megatron's local spec."""
+    pieces of the batch) vs Megatron's local spec.
+
+    The ring layers' projection weight gradient: on gloo the spec does not defer it (no copy
+    engines), so it is accumulated before the attention's backward; ``defer_always`` defers it
+    anyway (``deferred_wgrad``), and it must come after, with the same gradients."""
     from ds_stpar.integrations import megatron_cpu
 
     megatron_cpu.apply()
@@ -206,6 +232,14 @@ def _spec_parity(
         calls = []
         if interleave:
             _record_pieces(ours.decoder.layers, calls)
+        order = None
+        if tp_mode == "ring" and not interleave:
+            for layer in ours.decoder.layers:
+                attention = layer.self_attention
+                assert attention.linear_qkv.wgrad_deferral is attention.linear_proj.wgrad_deferral
+                if defer_always:
+                    attention.linear_qkv.defer_weight_grad_of(attention.linear_proj, always=True)
+            order = _projection_grad_order(ours.decoder.layers[0])
         missing, unexpected = ours.load_state_dict(reference.state_dict(), strict=False)
         assert not [k for k in missing + unexpected if not k.endswith("_extra_state")], (
             missing,
@@ -218,6 +252,9 @@ def _spec_parity(
         if interleave:
             layers = len(ours.decoder.layers)
             assert transfers == _interleaved_transfers(layers, interleave, recompute), transfers
+        if order is not None:
+            deferred = ["attention", "projection dW"]
+            assert order == (deferred if defer_always else deferred[::-1]), order
         # Same weights and data; only the reduction order (SP collectives, ring steps, SDPA vs
         # baddbmm softmax) differs: fp32 rounding over K <= 96-term sums, far below 1e-5.
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
@@ -231,6 +268,11 @@ def _spec_parity(
         if interleave == 4:
             _check_pieces(ours.decoder.layers[0])
     parallel_state.destroy_model_parallel()
+
+
+def test_gpt_with_deferred_projection_weight_grad_matches_megatron_local_spec():
+    variants = (("ring", False, "none", 0), ("ring", True, "full", 0))
+    run_workers(_spec_parity, 2, TINY_LLAMA, variants, True)
 
 
 def _check_pieces(layer) -> None:

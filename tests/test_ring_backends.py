@@ -12,7 +12,9 @@ copy engines on two peer-linked GPUs and NCCL under ``NCCL_P2P_DISABLE=1``. Each
 and row linears and the two-pass and fused MLPs (each with its activation a plain callable,
 and the closed form that writes dA over A) forward and backward 12 times (more batches than the
 in-flight bound of 8, so the bound's host waits run too) and compares output, input gradient
-and weight gradients of the last round with a float64 reference of the whole problem.
+and weight gradients of the last round with a float64 reference of the whole problem; at
+P = 2 a row linear's weight gradient deferred to the column linear before it as well
+(``deferred_wgrad``), which on the copy engines must refuse once their buffer is written over.
 Tolerance: max |fp32 - fp64| <= 1e-5 * max |fp64|; the longest reduction is K = 64 terms
 (relative rounding about sqrt(64) * 6e-8 = 5e-7 in fp32, TF32 off), the ring only reorders
 the sums, so 1e-5 is > 10x the expected error and far below an indexing or ordering mistake.
@@ -29,6 +31,8 @@ import torch.nn.functional as F
 
 from ds_stpar.layers import symmetric
 from ds_stpar.layers.activation import ClosedFormActivation
+from ds_stpar.layers.comm import ring_pass
+from ds_stpar.layers.deferred_wgrad import DeferredWeightGrad
 from ds_stpar.layers.ring import ring_column_linear, ring_row_linear
 from ds_stpar.layers.ring_mlp import ring_mlp, ring_two_pass_mlp
 from tests.distributed import run_workers
@@ -118,6 +122,40 @@ def _check_ring_mlp(group, device, act, fused: bool = False) -> None:
     _close(w2_d.grad, leaves[3].grad[:, me * cols : (me + 1) * cols], f"{what} fc2 weight grad")
 
 
+def _check_deferred_projection(group, device, copy_engines: bool) -> None:
+    """column (W1) -> tanh (the attention's stand-in) -> row (W2), the row's weight gradient
+    made in the column's backward (``deferred_wgrad``), from the dY chunk that arrived: over
+    the copy engines a view of their buffer, which must still hold it. A ring pass run in
+    between (from a hook on the column's output gradient) writes that buffer over: the
+    column's backward must refuse, not return a wrong gradient."""
+    size, me = group.size(), group.rank()
+    x, w1, w2, dy = _full(13, M, K), _full(14, N, K), _full(15, K, N), _full(16, M, K)
+    rows, cols = M // size, N // size
+    leaves = [t.clone().requires_grad_() for t in (x, w1, w2)]
+    y_ref = F.linear(torch.tanh(F.linear(leaves[0], leaves[1])), leaves[2])
+    y_ref.backward(dy)
+    ring = symmetric.symmetric_ring(group, device)
+    assert (ring is not None) == copy_engines
+    for intrude in (False, True) if copy_engines else (False,):
+        x_d = _local(x[me * rows : (me + 1) * rows, None], device)
+        w1_d = _local(w1[me * cols : (me + 1) * cols], device)
+        w2_d = _local(w2[:, me * cols : (me + 1) * cols], device)
+        deferred = DeferredWeightGrad(w2_d, ring)
+        h = ring_column_linear(x_d, w1_d, group, deferred=deferred)
+        if intrude:
+            h.register_hook(lambda g: ring_pass(group, rotate=g[:rows].contiguous()))
+        y = ring_row_linear(torch.tanh(h), w2_d, group, deferred=deferred)
+        if intrude:
+            with pytest.raises(RuntimeError, match="written over"):
+                y.backward(dy[me * rows : (me + 1) * rows, None].float().to(device))
+            continue
+        y.backward(dy[me * rows : (me + 1) * rows, None].float().to(device))
+        what = "deferred projection weight grad"
+        _close(w2_d.grad, leaves[2].grad[:, me * cols : (me + 1) * cols], what)
+        _close(w1_d.grad, leaves[1].grad[me * cols : (me + 1) * cols], f"{what}: fc1's")
+        _close(x_d.grad[:, 0], leaves[0].grad[me * rows : (me + 1) * rows], f"{what}: dX")
+
+
 def _check_closed_form_in_place(device) -> None:
     """The gated closed form writing dA over A on this device, bit-exact against autograd
     (on CUDA: its elementwise kernels with the output aliasing an input, and strided halves)."""
@@ -142,6 +180,8 @@ def _worker(rank: int, world_size: int, device_type: str, copy_engines: bool = F
         for fused in (False, True):
             _check_ring_mlp(group, device, act, fused)
     _check_closed_form_in_place(device)
+    if world_size == 2:
+        _check_deferred_projection(group, device, copy_engines)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     # the transport expected was the one used: the copy engines' buffer exists exactly when

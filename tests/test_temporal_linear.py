@@ -322,15 +322,25 @@ def check_a_second_backward_over_da_is_refused(group) -> None:
                 y.sum().backward()
 
 
-def check_attention(group, mode, seed) -> None:
-    """QKV (column) -> causal attention on this rank's heads -> out-proj (row) vs float64."""
+def check_attention(group, mode, seed, *, defer=False, fusion=False) -> None:
+    """QKV (column) -> causal attention on this rank's heads -> out-proj (row) vs float64.
+    ``defer``: the QKV linear makes the projection's weight gradient (``deferred_wgrad``; at
+    P = 2 only, whatever the transport), after the attention's backward; ``fusion``: into the
+    projection's ``main_grad``, where nothing is deferred (no dW tensor to defer)."""
     size, me = group.size(), group.rank()
     head_dim = HIDDEN // HEADS
     qkv = _column(group, mode, seed, out=3 * HIDDEN)
-    proj = _row(group, mode, seed + 10, inp=HIDDEN)
+    proj = _row(group, mode, seed + 10, inp=HIDDEN, fusion=fusion)
     ref_qkv, ref_proj = _reference(qkv, seed + 1), _reference(proj, seed + 11)
     _set_bias(qkv, ref_qkv, _megatron_index(3 * HIDDEN, size, 1, me))
     _set_bias(proj, ref_proj, None)
+    if fusion:  # Megatron DDP's buffers, as in check_column
+        proj.weight.main_grad = torch.full(proj.weight.shape, 0.25)
+        proj.weight.grad_added_to_main_grad = False
+    order = []
+    if defer:
+        qkv.defer_weight_grad_of(proj, always=True)
+        proj.weight.register_post_accumulate_grad_hook(lambda p: order.append("projection dW"))
 
     def attend(mixed: torch.Tensor) -> torch.Tensor:
         """[s, b, heads * 3 * hd] (Megatron's per-head [q, k, v]) -> [s, b, heads * hd]."""
@@ -341,16 +351,27 @@ def check_attention(group, mode, seed) -> None:
 
     x_full = _rand(seed + 2, S, B, HIDDEN).requires_grad_()
     x = _seq_chunk(x_full.detach(), me, size).float().requires_grad_()
-    y = proj(attend(qkv(x)[0]))[0]
+    mixed = qkv(x)[0]
+    if defer:
+        mixed.register_hook(lambda grad: order.append("attention"))
+    y = proj(attend(mixed))[0]
     y_ref = ref_proj(attend(ref_qkv(x_full)))
-    what = f"attention {mode} P={size}"
+    what = f"attention {mode} P={size} defer={defer} fusion={fusion}"
     _close(y, _seq_chunk(y_ref, me, size).detach(), f"{what}: output")
     grad = _rand(seed + 3, S, B, HIDDEN)
     y.backward(_seq_chunk(grad, me, size).float())
     y_ref.backward(grad)
     _close(x.grad, _seq_chunk(x_full.grad, me, size), f"{what}: input grad")
     _close(qkv.weight.grad, _weight_block(ref_qkv.weight.grad, mode, 0, me, size), what)
-    _close(proj.weight.grad, _weight_block(ref_proj.weight.grad, mode, 1, me, size), what)
+    expect_dw = _weight_block(ref_proj.weight.grad, mode, 1, me, size)
+    if fusion:
+        _close(proj.weight.main_grad - 0.25, expect_dw, f"{what}: main_grad")
+        assert proj.weight.grad_added_to_main_grad, what
+    else:
+        _close(proj.weight.grad, expect_dw, what)
+    if defer:  # made after the attention's backward where deferred, before elsewhere
+        deferred = ["attention", "projection dW"]
+        assert order == (deferred if size == 2 and not fusion else deferred[::-1]), (what, order)
 
 
 def check_megatron_weights(group, mode, seed) -> None:
@@ -440,6 +461,12 @@ def check_errors(group) -> None:
             _column(group, "cannon", 5)
     with pytest.raises(ConfigError, match="ColumnParallelLinear"):
         _column(group, "megatron", 5)
+    if math.isqrt(size) ** 2 == size:
+        with pytest.raises(ConfigError, match="tp_mode='ring'"):
+            _column(group, "ring", 5).defer_weight_grad_of(_row(group, "cannon", 5))
+    other = dist.new_group(list(range(dist.get_world_size())))  # collective: every rank
+    with pytest.raises(ConfigError, match="one TP group"):
+        _column(group, "ring", 5).defer_weight_grad_of(_row(other, "ring", 5))
     biased = _row(group, "ring", 5)  # adds its bias itself (skip_bias_add=False)
     biased.local_compute = LocalCompute()  # a partial sum: the bias would be added on every rank
     with pytest.raises(ConfigError, match="skip_bias_add=True"):
@@ -492,6 +519,9 @@ def _all_layer_checks(group, mode, seed) -> None:
     check_mlp(group, mode, seed + 700, glu=False)
     check_mlp(group, mode, seed + 800, glu=True)
     check_attention(group, mode, seed + 900)
+    if mode == "ring":
+        check_attention(group, mode, seed + 950, defer=True)
+        check_attention(group, mode, seed + 960, defer=True, fusion=True)
     check_megatron_weights(group, mode, seed + 1000)
     if mode == "ring":
         check_external_weight(group, seed + 1100)

@@ -243,7 +243,8 @@ def ring_pass(
     ``rotate`` is this rank's chunk d. At step t the chunk c = (d+t) % P is here and
     ``visit(c, chunk)`` runs while the chunk travels on to d-1 (the chunk of d+1 arrives).
     ``visit`` must use ``chunk`` on the current stream and not keep it: an arrival may be a
-    view of the copy engines' buffer, which a later batch writes over.
+    view of the copy engines' buffer, which a later batch writes over (``deferred_wgrad``
+    keeps a P = 2 pass's arrival until the next batch and checks that none ran).
 
     ``partial(m)`` gives this rank's contribution to the sum for chunk m, as a fresh tensor
     (the received partial sum is added into it in place, so the pass holds one sum buffer

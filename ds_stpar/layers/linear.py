@@ -39,6 +39,7 @@ from torch.nn import Parameter
 from ds_stpar.errors import ConfigError
 from ds_stpar.layers.cannon import cannon_column_linear, cannon_row_linear, cannon_weight_offsets
 from ds_stpar.layers.comm import Group
+from ds_stpar.layers.deferred_wgrad import ProjectionWgradDeferral
 from ds_stpar.layers.local import LocalCompute, local_linear
 from ds_stpar.layers.ring import ring_column_linear, ring_row_linear
 from ds_stpar.layers.wgrad import fused_main_grad
@@ -100,11 +101,16 @@ class TemporalLinear(torch.nn.Module):
     this rank's GEMM (``local.py``) on an input the caller gathered (column: [s, b, K] ->
     [s, b, N/P]) or return this rank's term of the output for the caller to reduce (row:
     [s, b, K/P] -> [s, b, N]), the weight gradient summed over the call's uses.
+
+    ``wgrad_deferral`` (set on a QKV and projection pair by
+    :meth:`TemporalColumnParallelLinear.defer_weight_grad_of`): the projection's weight
+    gradient is made in the QKV linear's backward (``deferred_wgrad``).
     """
 
     partition_dim: int
     megatron_class: str
     local_compute: LocalCompute | None = None
+    wgrad_deferral: ProjectionWgradDeferral | None = None
 
     def _setup(
         self,
@@ -351,8 +357,26 @@ class TemporalColumnParallelLinear(TemporalLinear):
         if self.local_compute is not None:
             grads = self.local_compute.weight_grad(weight, main_grad)
             return self._with_bias(local_linear(input_, weight, grads))
+        if self.wgrad_deferral is not None:
+            deferred = self.wgrad_deferral.start(self.tp_group, input_.device)
+            output = ring_column_linear(input_, weight, self.tp_group, main_grad, deferred)
+            return self._with_bias(output)
         output = self._algorithm()(input_, weight, self.tp_group, main_grad)
         return self._with_bias(output)
+
+    def defer_weight_grad_of(self, row: TemporalRowParallelLinear, always: bool = False) -> None:
+        """Make ``row``'s (the attention projection's) weight gradient in this layer's (the
+        QKV linear's) backward, after the attention's, where that saves memory and costs
+        none: ring mode, P = 2, no ``gradient_accumulation_fusion``, hops by the copy engines
+        (``deferred_wgrad``; ``always``: any transport, for tests). Both layers must be ring
+        layers of one TP group, and each forward of this layer must be followed by ``row``'s
+        before the next."""
+        if self.tp_mode != "ring" or row.tp_mode != "ring":
+            raise ConfigError("deferring the projection's weight gradient needs tp_mode='ring'")
+        if row.tp_group is not self.tp_group:
+            raise ConfigError("the QKV and projection layers must share one TP group")
+        deferral = ProjectionWgradDeferral(row, always)
+        self.wgrad_deferral = row.wgrad_deferral = deferral
 
 
 class TemporalRowParallelLinear(TemporalLinear):
@@ -430,5 +454,9 @@ class TemporalRowParallelLinear(TemporalLinear):
                 f"sequence length {input_.shape[0]} is not divisible by the TP size {size}: "
                 f"pad sequences to a multiple of {size}"
             )
+        if self.wgrad_deferral is not None:
+            deferred = self.wgrad_deferral.take()
+            output = ring_row_linear(input_, self.weight, self.tp_group, main_grad, deferred)
+            return self._with_bias(output)
         output = self._algorithm()(input_, self.weight, self.tp_group, main_grad)
         return self._with_bias(output)

@@ -8,6 +8,8 @@
   flash kernel (``torch.nn.attention.varlen``) runs every document of the micro-batch; on CPU,
   or where that kernel is missing, documents are attended one at a time (one SDPA call each,
   the segment bounds read to the host once per micro-batch).
+- :class:`StparSelfAttention` — Megatron's ``SelfAttention`` whose ring QKV linear makes the
+  projection's weight gradient, after the attention's backward (``deferred_wgrad``).
 - :class:`SequenceParallelNorm` — LayerNorm/RMSNorm that accepts ``sequence_parallel=True``.
   Megatron's ``WrappedTorchNorm`` refuses it. Under SP every TP rank normalises its own s/t
   tokens, so the norm weight gradient is a partial sum: the ``sequence_parallel`` attribute
@@ -27,6 +29,7 @@ import os
 import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -186,6 +189,25 @@ def varlen_causal(
     longest = int(longest)
     out = VARLEN_ATTN(qt, kt, vt, cu, cu, longest, longest, **kwargs)
     return out[..., :dim].transpose(0, 1).unsqueeze(0)
+
+
+class StparSelfAttention(SelfAttention):
+    """Megatron's self-attention, unchanged but for one link: when QKV and projection are
+    ring layers, the QKV linear's backward makes the projection's weight gradient where that
+    costs no memory (P = 2, hops by the copy engines; ``deferred_wgrad``), which lowers the
+    layer's peak inside the attention's backward by that gradient."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        from ds_stpar.layers.linear import TemporalColumnParallelLinear, TemporalRowParallelLinear
+
+        qkv, proj = self.linear_qkv, self.linear_proj
+        if (
+            isinstance(qkv, TemporalColumnParallelLinear)
+            and isinstance(proj, TemporalRowParallelLinear)
+            and qkv.tp_mode == proj.tp_mode == "ring"
+        ):
+            qkv.defer_weight_grad_of(proj)
 
 
 class SequenceParallelNorm:

@@ -14,6 +14,9 @@ ordering and the GLU interleaving of fc1 are Megatron's); :class:`StparSpecProvi
 - core attention: SDPA (flash on GPU; document masking for packed rows);
 - norms: LayerNorm/RMSNorm that accept sequence parallelism (ring and Cannon layers exchange
   activations in Megatron's sequence-parallel layout, so such models run with SP on);
+- self-attention, for ring and Cannon: :class:`~ds_stpar.layers.megatron_modules.
+  StparSelfAttention`, Megatron's, whose ring QKV linear makes the projection's weight
+  gradient after the attention's backward where that costs no memory;
 - MLP, for ring and Cannon: :class:`~ds_stpar.layers.mlp.StparMLP`, Megatron's MLP that runs
   a ring block as one fused ring pass and whose dist checkpoint of a Cannon gated fc1
   describes the two-dimensional blocks in Megatron's ``[gate; up]`` format (Megatron's own
@@ -48,7 +51,11 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from ds_stpar.config import TP_MODES
 from ds_stpar.errors import ConfigError
 from ds_stpar.layers.interleave import InterleavedTransformerLayer
-from ds_stpar.layers.megatron_modules import SDPACoreAttention, SequenceParallelNorm
+from ds_stpar.layers.megatron_modules import (
+    SDPACoreAttention,
+    SequenceParallelNorm,
+    StparSelfAttention,
+)
 from ds_stpar.layers.mlp import StparMLP
 
 
@@ -134,7 +141,7 @@ def get_gpt_layer_stpar_spec(
         submodules=TransformerLayerSubmodules(
             input_layernorm=norm,
             self_attention=ModuleSpec(
-                module=SelfAttention,
+                module=SelfAttention if backend.tp_mode == "megatron" else StparSelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=backend.column_parallel_linear(),

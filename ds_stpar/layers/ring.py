@@ -34,6 +34,7 @@ from torch import Tensor
 
 from ds_stpar.layers.activation import Activation
 from ds_stpar.layers.comm import Group, ring_pass
+from ds_stpar.layers.deferred_wgrad import DeferredWeightGrad
 from ds_stpar.layers.norm_recipe import kept, norm_of, recipe_of, remade
 from ds_stpar.layers.wgrad import WeightGrad
 
@@ -98,18 +99,26 @@ def row_forward(
 
 class _RingColumnLinear(torch.autograd.Function):
     """forward: rotate X chunks, one sub-GEMM per step; backward: rotating accumulator for
-    dX and a second rotation of X for the local dW (see the module docstring)."""
+    dX and a second rotation of X for the local dW (see the module docstring). With a
+    ``deferred`` weight gradient (``deferred_wgrad``: the attention projection's), that
+    weight is an input too, and its gradient is made first in the backward."""
 
     @staticmethod
-    def forward(ctx, x_shard_m: Tensor, w_shard_n: Tensor, group: Group, main_grad, recipe):
+    def forward(
+        ctx, x_shard_m: Tensor, w_shard_n: Tensor, group: Group, main_grad, recipe, _, deferred
+    ):
         x_tokens = x_shard_m.reshape(-1, x_shard_m.shape[-1])
         y_tokens = column_forward(x_tokens, w_shard_n, group)
         ctx.save_for_backward(kept(x_shard_m, recipe), w_shard_n)
         ctx.group, ctx.main_grad, ctx.norm = group, main_grad, norm_of(recipe)
+        ctx.deferred = deferred
         return y_tokens.view(group.size() * x_shard_m.shape[0], *x_shard_m.shape[1:-1], -1)
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
+        # first: the pass below writes over the copy engines' buffer the deferred dW reads
+        deferred_dw = ctx.deferred.result() if ctx.deferred is not None else None
+        ctx.deferred = None
         saved_x, w_shard_n = ctx.saved_tensors
         x_shard_m = remade(saved_x, ctx.norm)
         x_tokens = x_shard_m.reshape(-1, x_shard_m.shape[-1])
@@ -119,20 +128,22 @@ class _RingColumnLinear(torch.autograd.Function):
         dx_tokens = column_backward(x_tokens, w_shard_n, dy_tokens, ctx.group, need_dx, wgrad)
         dx = dx_tokens.view(x_shard_m.shape) if need_dx else None
         dw = wgrad.result(x_shard_m.dtype) if need_dw else None
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, deferred_dw, None
 
 
 class _RingRowLinear(torch.autograd.Function):
     """forward: rotating accumulator of the partial outputs; backward: rotate dY chunks,
-    writing dX[c] in place and accumulating dW locally (see the module docstring)."""
+    writing dX[c] in place and accumulating dW locally (see the module docstring), or, with a
+    ``deferred`` weight gradient, keeping the chunks for the QKV linear's backward to make it
+    (``deferred_wgrad``)."""
 
     @staticmethod
-    def forward(ctx, x_shard_k: Tensor, w_shard_k: Tensor, group: Group, main_grad):
+    def forward(ctx, x_shard_k: Tensor, w_shard_k: Tensor, group: Group, main_grad, deferred):
         size = group.size()
         x_tokens = x_shard_k.reshape(-1, x_shard_k.shape[-1])
         y_tokens = row_forward(x_tokens, w_shard_k, group)
         ctx.save_for_backward(x_shard_k, w_shard_k)
-        ctx.group, ctx.main_grad = group, main_grad
+        ctx.group, ctx.main_grad, ctx.deferred = group, main_grad, deferred
         return y_tokens.view(x_shard_k.shape[0] // size, *x_shard_k.shape[1:-1], -1)
 
     @staticmethod
@@ -141,7 +152,9 @@ class _RingRowLinear(torch.autograd.Function):
         x_tokens = x_shard_k.reshape(-1, x_shard_k.shape[-1])
         rows = x_tokens.shape[0] // ctx.group.size()
         dy_tokens = grad_output.contiguous().view(rows, w_shard_k.shape[0])
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        deferred, ctx.deferred = ctx.deferred, None
+        need_dx = ctx.needs_input_grad[0]
+        need_dw = ctx.needs_input_grad[1] and deferred is None
         wgrad = WeightGrad(w_shard_k, ctx.main_grad) if need_dw else None
         dx_tokens = torch.empty_like(x_tokens) if need_dx else None
 
@@ -150,29 +163,47 @@ class _RingRowLinear(torch.autograd.Function):
                 torch.mm(dy_c, w_shard_k, out=_rows(dx_tokens, c, rows))
             if need_dw:
                 wgrad.add(dy_c, _rows(x_tokens, c, rows))
+            if deferred is not None:
+                deferred.keep(dy_c, _rows(x_tokens, c, rows))
 
-        if need_dx or need_dw:
+        if need_dx or need_dw or deferred is not None:
             ring_pass(ctx.group, rotate=dy_tokens, visit=visit)
+        if deferred is not None:
+            deferred.seal()
         dx = dx_tokens.view(x_shard_k.shape) if need_dx else None
         dw = wgrad.result(x_shard_k.dtype) if need_dw else None
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
 def ring_column_linear(
-    x_shard_m: Tensor, w_shard_n: Tensor, group: Group, main_grad: Tensor | None = None
+    x_shard_m: Tensor,
+    w_shard_n: Tensor,
+    group: Group,
+    main_grad: Tensor | None = None,
+    deferred: DeferredWeightGrad | None = None,
 ) -> Tensor:
     """[s/P, b, K] (sequence chunk d) x [N/P, K] -> [s, b, N/P]; see the module docstring.
 
     ``main_grad``: accumulate dW there in fp32 and return no weight gradient (Megatron's
     gradient_accumulation_fusion); ``None`` returns dW as the gradient. An ``x_shard_m``
     marked by the spec's norm (``norm_recipe``) is not kept: its backward makes it again.
+    ``deferred``: another weight's gradient (the attention projection's) that this node's
+    backward makes and returns (``deferred_wgrad``).
     """
     recipe = recipe_of(x_shard_m)
-    return _RingColumnLinear.apply(x_shard_m.contiguous(), w_shard_n, group, main_grad, recipe)
+    tied = deferred.weight if deferred is not None else None
+    return _RingColumnLinear.apply(
+        x_shard_m.contiguous(), w_shard_n, group, main_grad, recipe, tied, deferred
+    )
 
 
 def ring_row_linear(
-    x_shard_k: Tensor, w_shard_k: Tensor, group: Group, main_grad: Tensor | None = None
+    x_shard_k: Tensor,
+    w_shard_k: Tensor,
+    group: Group,
+    main_grad: Tensor | None = None,
+    deferred: DeferredWeightGrad | None = None,
 ) -> Tensor:
-    """[s, b, K/P] x [N, K/P] -> [s/P, b, N] (sequence chunk d); s must divide by P."""
-    return _RingRowLinear.apply(x_shard_k.contiguous(), w_shard_k, group, main_grad)
+    """[s, b, K/P] x [N, K/P] -> [s/P, b, N] (sequence chunk d); s must divide by P.
+    ``deferred``: leave dW to the column linear whose node returns it (``deferred_wgrad``)."""
+    return _RingRowLinear.apply(x_shard_k.contiguous(), w_shard_k, group, main_grad, deferred)

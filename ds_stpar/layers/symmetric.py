@@ -82,7 +82,7 @@ class SymmetricRing:
         self._handle = None
         self._buffer: Tensor | None = None
         self._views: dict[tuple, Tensor] = {}
-        self._batches = 0
+        self.batches = 0  # started so far: which parity the next one takes
 
     def _reserve(self, nbytes: int) -> None:
         if nbytes <= self.capacity:
@@ -111,8 +111,8 @@ class SymmetricRing:
         right have the same shapes and dtypes."""
         sizes = [-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in tensors]
         self._reserve(sum(sizes))
-        offset = (self._batches % self.parities) * self.capacity
-        self._batches += 1
+        offset = (self.batches % self.parities) * self.capacity
+        self.batches += 1
         compute = torch.cuda.current_stream(self.index)
         self.stream.wait_stream(compute)
         arrivals = []
