@@ -236,10 +236,14 @@ def _spec_parity(
         if tp_mode == "ring" and not interleave:
             for layer in ours.decoder.layers:
                 attention = layer.self_attention
-                assert attention.linear_qkv.wgrad_deferral is attention.linear_proj.wgrad_deferral
+                deferral = attention.linear_qkv.wgrad_deferral
+                assert deferral is not None and deferral is attention.linear_proj.wgrad_deferral
                 if defer_always:
                     attention.linear_qkv.defer_weight_grad_of(attention.linear_proj, always=True)
             order = _projection_grad_order(ours.decoder.layers[0])
+            if defer_always:  # with hidden dropout the spec does not pair them
+                dropped = build(block, dataclasses.replace(config, hidden_dropout=0.1))
+                assert dropped.decoder.layers[0].self_attention.linear_qkv.wgrad_deferral is None
         missing, unexpected = ours.load_state_dict(reference.state_dict(), strict=False)
         assert not [k for k in missing + unexpected if not k.endswith("_extra_state")], (
             missing,

@@ -12,11 +12,15 @@ Deferred, ``dW_o`` is made at the start of the QKV linear's backward instead, ri
 the attention's, from what its GEMMs read, kept until then:
 
 - this rank's dY chunk: the residual stream's gradient, which autograd keeps for the first
-  norm's backward anyway;
+  norm's backward anyway (without hidden dropout, whose mask would make it a tensor of its
+  own: ``megatron_modules.StparSelfAttention`` links the two layers only then);
 - the chunk that arrived from the neighbour: at P = 2 over the copy engines, a view of the
   ring's buffer (``symmetric.py``), held anyway and written again only by the next ring
   batch, which is the QKV linear's own;
-- O, the attention's output, which the attention saves for its backward anyway.
+- O, the attention's output as the projection got it: alive at that peak with or without
+  the deferral in the measured layer (calls 161 and 187). Where it is a copy that nothing
+  else keeps, the deferral keeps it, [T, h/P], through the attention's backward: as many
+  bytes as dW_o at T = h.
 
 So at P = 2 on the copy engines the peak loses [h, h/2] and keeps nothing new. It is not
 done where it would save nothing or cost memory:

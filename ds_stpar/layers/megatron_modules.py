@@ -193,9 +193,12 @@ def varlen_causal(
 
 class StparSelfAttention(SelfAttention):
     """Megatron's self-attention, unchanged but for one link: when QKV and projection are
-    ring layers, the QKV linear's backward makes the projection's weight gradient where that
-    costs no memory (P = 2, hops by the copy engines; ``deferred_wgrad``), which lowers the
-    layer's peak inside the attention's backward by that gradient."""
+    ring layers and the layer has no hidden dropout, the QKV linear's backward makes the
+    projection's weight gradient where that costs no memory (P = 2, hops by the copy engines;
+    ``deferred_wgrad``), which lowers the layer's peak inside the attention's backward by
+    that gradient. With hidden dropout the projection's output gradient is a tensor of its
+    own (the dropout's mask applied), not the residual stream's, and keeping it would cost
+    what the deferral saves: no link."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -206,6 +209,7 @@ class StparSelfAttention(SelfAttention):
             isinstance(qkv, TemporalColumnParallelLinear)
             and isinstance(proj, TemporalRowParallelLinear)
             and qkv.tp_mode == proj.tp_mode == "ring"
+            and self.config.hidden_dropout == 0
         ):
             qkv.defer_weight_grad_of(proj)
 
