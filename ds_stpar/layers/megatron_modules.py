@@ -35,6 +35,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
+from ds_stpar.layers.linear import TemporalColumnParallelLinear, TemporalRowParallelLinear
 from ds_stpar.layers.norm_recipe import MarkedLayerNorm, MarkedRMSNorm
 from ds_stpar.planner.memory import FLASH_HEAD_DIM_MULTIPLE
 
@@ -202,8 +203,6 @@ class StparSelfAttention(SelfAttention):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        from ds_stpar.layers.linear import TemporalColumnParallelLinear, TemporalRowParallelLinear
-
         qkv, proj = self.linear_qkv, self.linear_proj
         if (
             isinstance(qkv, TemporalColumnParallelLinear)
