@@ -6,6 +6,11 @@ needs)::
 
     torchrun --nproc_per_node 4 bench/layers.py --label nvlink --out layers-nvlink.json
     NCCL_P2P_DISABLE=1 torchrun --nproc_per_node 4 bench/layers.py --label slow --out slow.json
+    # the interleaved layer's transfers by the copy engines through host memory
+    # (ds_stpar.layers.host_staged) need more than one hardware queue, where Megatron's
+    # overlap wants one: time them in a run of their own and compare with the run above
+    NCCL_P2P_DISABLE=1 CUDA_DEVICE_MAX_CONNECTIONS=8 torchrun --nproc_per_node 2 bench/layers.py \
+        --cases layer --variants megatron-sp,ring-interleaved --label staged
     # subsets: --cases mlp --hidden 8192 --tokens 16K,32K --variants megatron-sp,ring,cannon
     # GPU timelines of one step per variant, for bench/timeline.py: --trace-dir DIR
     # host time per Python function (small shapes, host-bound), for bench/hoststats.py:
@@ -1378,6 +1383,7 @@ def main(argv: list[str] | None = None) -> None:
                 "NCCL_P2P_DISABLE",
                 "NCCL_NVLS_ENABLE",
                 "DS_STPAR_RING_TRANSPORT",
+                "DS_STPAR_TRANSFER_TRANSPORT",
             )
         },
         "args": {k: v for k, v in vars(args).items() if k != "case_list"},

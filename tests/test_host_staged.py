@@ -1,0 +1,162 @@
+"""The interleaved layer's transfers staged through shared host memory by the copy engines
+(``layers/host_staged.py``), against NCCL's collectives of the same tensors.
+
+On two GPUs each rank runs every pattern of ``async_comm`` (gather, reduce-scatter,
+all-reduce and its in-place form, the others' rows both ways) through its start / finish
+pairs with ``DS_STPAR_TRANSFER_TRANSPORT=host-staged``: finished in the order started and in
+the reverse order (as the backward may), with GEMMs on the compute stream in between, more
+transfers than the buffer has slots (a slot is written again only after its reader is done),
+and shapes that grow the buffer. Each result must equal NCCL's of the same inputs bit for
+bit: copies for the gathers, and at P = 2 one bf16 or fp32 addition for the sums, which is
+commutative (the others' sums are NCCL's reduce-scatter with a zero own term, x + 0 = x).
+The four settings on two GPUs: ``host-staged`` and ``auto`` under ``NCCL_P2P_DISABLE=1``
+stage, ``auto`` with peer access and ``nccl`` keep NCCL's (the same results either way). On
+the CPU: which groups stage (every rank's host, device and hardware queues, peer access),
+gloo groups keep their collectives whatever the setting, unknown settings and a single
+hardware queue are refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed import run_workers
+
+SHAPES = [(64, 2, 96), (256, 1, 512), (32, 4, 8), (1024, 2, 256), (64, 2, 96)]
+
+
+def _inputs(rank: int, shape, dtype, device, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    return torch.randn(*shape, generator=g).to(dtype).to(device)
+
+
+def _nccl(kind: str, x: torch.Tensor, group) -> torch.Tensor:
+    size, rank = group.size(), group.rank()
+    if kind == "gather":
+        out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x, group=group)
+        return out
+    if kind == "gather_others":
+        everyone = list(_nccl("gather", x, group).chunk(size))
+        return torch.cat(everyone[:rank] + everyone[rank + 1 :])
+    if kind == "reduce_others":  # a reduce-scatter whose own term is zero
+        terms = list(x.chunk(size - 1))
+        terms.insert(rank, torch.zeros_like(terms[0]))
+        return _nccl("reduce_scatter", torch.cat(terms), group)
+    if kind == "reduce_scatter":
+        out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
+        dist.reduce_scatter_tensor(out, x, group=group)
+        return out
+    out = x.clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def _worker(rank: int, world_size: int, expect_staged: bool) -> None:
+    from ds_stpar.layers import async_comm, host_staged
+
+    device = torch.device("cuda", rank)
+    group = dist.new_group(list(range(world_size)))
+    starts = {  # the reduce-scatter's payload is the smallest: the gather after it grows
+        "reduce_scatter": async_comm.start_reduce_scatter,  # the buffer
+        "gather": async_comm.start_gather,
+        "all_reduce": async_comm.start_all_reduce,
+        "all_reduce_in_place": async_comm.start_all_reduce_in_place,
+        "gather_others": async_comm.start_gather_others,
+        "reduce_others": async_comm.start_reduce_others,
+    }
+    seed = 0
+    for dtype in (torch.bfloat16, torch.float32):
+        for reverse in (False, True):
+            for shape in SHAPES * 2:  # 10 shapes x 6 patterns: more transfers than SLOTS
+                seed += 1
+                xs = {
+                    k: _inputs(rank, shape, dtype, device, seed + i) for i, k in enumerate(starts)
+                }
+                wants = {k: _nccl(k.removesuffix("_in_place"), xs[k], group) for k in starts}
+                sent = {k: x.clone() for k, x in xs.items()}  # in place: the input is the sum
+                flights = [(k, starts[k](sent[k], group)) for k in starts]
+                filler = torch.randn(512, 512, device=device) @ torch.randn(512, 512, device=device)
+                order = reversed(flights) if reverse else flights
+                results = {k: flight.finish() for k, flight in order}
+                for k in starts:
+                    what = f"{k} {shape} {dtype} reverse={reverse}"
+                    assert torch.equal(results[k], wants[k]), f"{what}: differs from NCCL's"
+                assert torch.equal(sent["all_reduce_in_place"], wants["all_reduce_in_place"])
+                assert torch.equal(sent["all_reduce"], xs["all_reduce"]), "input changed"
+                del filler
+    torch.cuda.synchronize(device)
+    assert (host_staged._GROUPS.get((group, device)) is not None) == expect_staged
+
+
+def _gpus(count: int) -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() >= count
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpus(2), reason="needs 2 CUDA GPUs (CI has none)")
+@pytest.mark.parametrize("setting", ["host-staged", "auto-p2p-disabled", "auto", "nccl"])
+def test_two_gpu_transfers_match_nccl(monkeypatch, setting) -> None:
+    transport = setting.removesuffix("-p2p-disabled")
+    monkeypatch.setenv("DS_STPAR_TRANSFER_TRANSPORT", transport)  # the workers' env
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    if setting == "auto-p2p-disabled":
+        monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+    else:
+        monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    peers = torch.cuda.can_device_access_peer(0, 1)
+    staged = setting in ("host-staged", "auto-p2p-disabled") or (setting == "auto" and not peers)
+    run_workers(_worker, 2, staged, backend="nccl")
+
+
+def _cpu_worker(rank: int, world_size: int) -> None:
+    from ds_stpar.layers import async_comm, host_staged
+
+    group = dist.new_group(list(range(world_size)))
+    x = torch.full((4, 3), float(rank + 1))
+    total = async_comm.start_all_reduce(x, group).finish()
+    assert torch.equal(total, torch.full((4, 3), 3.0))
+    assert not host_staged._GROUPS  # gloo groups keep their collectives
+
+
+def test_gloo_groups_keep_their_collectives_when_staging_is_asked(monkeypatch) -> None:
+    monkeypatch.setenv("DS_STPAR_TRANSFER_TRANSPORT", "host-staged")
+    run_workers(_cpu_worker, 2)
+
+
+def test_transfer_transport_setting_refuses_unknown_names(monkeypatch) -> None:
+    from ds_stpar.errors import ConfigError
+    from ds_stpar.layers import host_staged
+
+    monkeypatch.setenv("DS_STPAR_TRANSFER_TRANSPORT", "shm")
+    with pytest.raises(ConfigError, match="host-staged"):
+        host_staged._transport()
+
+
+def test_which_groups_stage() -> None:
+    from ds_stpar.errors import ConfigError
+    from ds_stpar.layers.host_staged import stages
+
+    one_host = [("a", 0, None), ("a", 1, "8")]
+    assert stages("auto", one_host, peers=False)
+    assert not stages("auto", one_host, peers=True)  # NVLink or PCIe peer access: NCCL
+    assert not stages("auto", [("a", 0, None), ("a", 1, "1")], peers=False)
+    assert not stages("auto", [("a", 0, None), ("a", 0, None)], peers=False)  # one GPU each
+    assert not stages("auto", [("a", 0, None), ("b", 1, None)], peers=False)
+    assert not stages("nccl", one_host, peers=False)
+    assert stages("host-staged", one_host, peers=True)
+    with pytest.raises(ConfigError, match="one host"):
+        stages("host-staged", [("a", 0, None), ("b", 0, None)], peers=False)
+    with pytest.raises(ConfigError, match="CUDA_DEVICE_MAX_CONNECTIONS"):
+        stages("host-staged", [("a", 0, "1"), ("a", 1, "1")], peers=False)
+
+
+def test_staging_refuses_a_single_hardware_queue(monkeypatch) -> None:
+    from ds_stpar.errors import ConfigError
+    from ds_stpar.layers import host_staged
+
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    with pytest.raises(ConfigError, match="CUDA_DEVICE_MAX_CONNECTIONS"):
+        host_staged.HostStagedGroup(group=None, device=torch.device("cuda", 0))
