@@ -14,8 +14,11 @@ computes. A wait for another process's event holds every later command of a hard
 so this needs ``CUDA_DEVICE_MAX_CONNECTIONS`` above 1, where the compute stream has a queue
 of its own (Megatron's own tensor-parallel overlap asks for 1; with this transport the
 interleaved layer does not use it). Over the slow link on 2 x H200 (thirty-first session,
-call 204) the interleaved layer ran 1.33-1.37x Megatron TP2 + SP at h 8192 and 1.44-1.75x
-at h 4096, where NCCL's transfers gave 1.27-1.31x and 1.46-1.54x (BENCHMARKS.md).
+calls 204-206) the interleaved layer ran 1.30-1.37x Megatron TP2 + SP at h 8192 and
+1.65-1.76x at h 4096 from 16K tokens, where NCCL's transfers gave 1.25-1.31x and 1.50-1.54x
+(BENCHMARKS.md); at h 4096 / 8K, where the host sets the pace, 1.16-1.73x against NCCL's
+1.43-1.46x: a staged transfer costs 0.2-0.4 ms of host time to issue, and a rank's reads
+wait for the peer's host (below), so the two hosts move in step.
 
 One transfer, exchange k of the group (every rank starts the same transfers in the same
 order, as for NCCL's collectives), in slot ``k % SLOTS`` of every rank's buffer, each copy
