@@ -10,10 +10,11 @@ and shapes that grow the buffer. Each result must equal NCCL's of the same input
 bit: copies for the gathers, and at P = 2 one bf16 or fp32 addition for the sums, which is
 commutative (the others' sums are NCCL's reduce-scatter with a zero own term, x + 0 = x).
 The four settings on two GPUs: ``host-staged`` and ``auto`` under ``NCCL_P2P_DISABLE=1``
-stage, ``auto`` with peer access and ``nccl`` keep NCCL's (the same results either way). On
-the CPU: which groups stage (every rank's host, device and hardware queues, peer access),
-gloo groups keep their collectives whatever the setting, unknown settings and a single
-hardware queue are refused.
+stage, ``auto`` with peer access and ``nccl`` keep NCCL's (the same results either way). More
+transfers than slots in flight at once, with no synchronisation between them, finished in
+reverse. On the CPU: which groups stage (every rank's host, device and hardware queues, peer
+access), ranks set differently refused (not left waiting for each other), gloo groups keep
+their collectives whatever the setting, unknown settings and a single hardware queue refused.
 """
 
 from __future__ import annotations
@@ -109,6 +110,59 @@ def test_two_gpu_transfers_match_nccl(monkeypatch, setting) -> None:
     peers = torch.cuda.can_device_access_peer(0, 1)
     staged = setting in ("host-staged", "auto-p2p-disabled") or (setting == "auto" and not peers)
     run_workers(_worker, 2, staged, backend="nccl")
+
+
+def _many_in_flight_worker(rank: int, world_size: int) -> None:
+    """More transfers in flight than the buffer has slots, started with no synchronisation
+    between them and finished in reverse: a slot is written again only once its readers
+    are done with it, and every read lands in its own transfer."""
+    from ds_stpar.layers import async_comm, host_staged
+
+    device = torch.device("cuda", rank)
+    group = dist.new_group(list(range(world_size)))
+    starts = [
+        ("gather", async_comm.start_gather),
+        ("all_reduce", async_comm.start_all_reduce),
+        ("reduce_scatter", async_comm.start_reduce_scatter),
+        ("gather_others", async_comm.start_gather_others),
+        ("reduce_others", async_comm.start_reduce_others),
+    ]
+    count = 3 * host_staged.SLOTS + 1
+    plan = [(starts[i % len(starts)], (256 + 64 * (i % 3), 2, 128)) for i in range(count)]
+    xs = [
+        _inputs(rank, shape, torch.bfloat16, device, 1000 + i) for i, (_, shape) in enumerate(plan)
+    ]
+    wants = [_nccl(kind, x, group) for ((kind, _), _), x in zip(plan, xs, strict=True)]
+    torch.cuda.synchronize(device)
+    flights = [start(x, group) for ((_, start), _), x in zip(plan, xs, strict=True)]
+    results = [flight.finish() for flight in reversed(flights)][::-1]
+    for i, (got, want) in enumerate(zip(results, wants, strict=True)):
+        assert torch.equal(got, want), f"transfer {i} ({plan[i][0][0]}) differs from NCCL's"
+    assert host_staged._GROUPS.get((group, device)) is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpus(2), reason="needs 2 CUDA GPUs (CI has none)")
+def test_two_gpu_more_transfers_in_flight_than_slots(monkeypatch) -> None:
+    monkeypatch.setenv("DS_STPAR_TRANSFER_TRANSPORT", "host-staged")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    run_workers(_many_in_flight_worker, 2, backend="nccl")
+
+
+def _settings_worker(rank: int, world_size: int) -> None:
+    import os
+
+    from ds_stpar.errors import ConfigError
+    from ds_stpar.layers import host_staged
+
+    os.environ["DS_STPAR_TRANSFER_TRANSPORT"] = ("auto", "nccl")[rank % 2]
+    group = dist.new_group(list(range(world_size)))
+    with pytest.raises(ConfigError, match="differs between the group's ranks"):
+        host_staged._stages(group, torch.device("cuda", rank))  # refused before any CUDA call
+
+
+def test_ranks_set_differently_are_refused_not_left_waiting() -> None:
+    run_workers(_settings_worker, 2)
 
 
 def _cpu_worker(rank: int, world_size: int) -> None:

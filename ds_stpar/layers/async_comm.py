@@ -27,7 +27,10 @@ In the backward the roles swap: finish's backward *starts* the adjoint transfer 
 backward waits for it. Autograd runs the ready node created last first, so the backward
 issues and overlaps in the forward's order reversed.
 
-Transport: the group's own collectives (``all_gather_single`` / ``reduce_scatter_single``,
+Transport: where the group's GPUs sit on one host without peer access and more than one
+hardware queue is allowed, the copy engines through shared page-locked host memory
+(:mod:`ds_stpar.layers.host_staged`, ``DS_STPAR_TRANSFER_TRANSPORT``); otherwise the
+group's own collectives (``all_gather_single`` / ``reduce_scatter_single``,
 the ``*_into_tensor`` / ``*_tensor`` names before torch 2.13, ``all_reduce``, and
 ``all_to_all_single`` for the others' rows, NCCL's send/receive kernel at P = 2) with
 ``async_op=True``: NCCL runs them on its own stream after the work already queued on the
@@ -46,7 +49,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ds_stpar.layers.comm import Group
-from ds_stpar.layers.host_staged import staged_group
+from ds_stpar.layers.host_staged import StagedTransfer, staged_group
 
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -68,14 +71,14 @@ def _issue(collective, out: Tensor, x: Tensor, group: Group) -> _InFlight:
     return _InFlight(collective(out, x, group=group, async_op=True), out)
 
 
-def _staged(kind: str, x: Tensor, group: Group, in_place: bool = False):
+def _staged(kind: str, x: Tensor, group: Group, in_place: bool = False) -> StagedTransfer | None:
     """The transfer staged through host memory by the copy engines where the group's
     transport is that (:mod:`ds_stpar.layers.host_staged`); None where NCCL carries it."""
     staged = staged_group(group, x.device)
     return None if staged is None else staged.start(kind, x, in_place)
 
 
-def start_gather(x: Tensor, group: Group) -> _InFlight:
+def start_gather(x: Tensor, group: Group) -> _InFlight | StagedTransfer:
     """Issue the gather of ``x`` (chunk d, dim 0) over ``group``; ``finish()`` -> [P n, ...]."""
     staged = _staged("gather", x, group)
     if staged is not None:
@@ -89,7 +92,7 @@ def _all_reduce_into(out: Tensor, x: Tensor, group: Group, async_op: bool):
     return dist.all_reduce(out, group=group, async_op=async_op)
 
 
-def start_all_reduce(x: Tensor, group: Group) -> _InFlight:
+def start_all_reduce(x: Tensor, group: Group) -> _InFlight | StagedTransfer:
     """Issue the sum of ``x`` over ``group``; ``finish()`` -> the sum, on every rank."""
     staged = _staged("all_reduce", x, group)
     if staged is not None:
@@ -97,7 +100,7 @@ def start_all_reduce(x: Tensor, group: Group) -> _InFlight:
     return _issue(_all_reduce_into, torch.empty_like(x), x, group)
 
 
-def start_all_reduce_in_place(x: Tensor, group: Group) -> _InFlight:
+def start_all_reduce_in_place(x: Tensor, group: Group) -> _InFlight | StagedTransfer:
     """:func:`start_all_reduce` summing into ``x`` itself: no copy, ``x`` is the sum after
     ``finish()``, which returns it as a new tensor of the same memory (``x``'s own autograd
     history is left as it was)."""
@@ -124,7 +127,7 @@ def _others(group: Group, rows: int) -> list[int]:
     return [0 if rank == group.rank() else rows for rank in range(group.size())]
 
 
-def start_reduce_others(x: Tensor, group: Group) -> _InFlight:
+def start_reduce_others(x: Tensor, group: Group) -> _InFlight | StagedTransfer:
     """Issue sending ``x`` ``[(P-1) n, ...]`` (this rank's terms for the other ranks' chunks,
     rank order) to those ranks; ``finish()`` -> ``[n, ...]``, the sum of the other ranks'
     terms for chunk d."""
@@ -139,7 +142,7 @@ def start_reduce_others(x: Tensor, group: Group) -> _InFlight:
     )
 
 
-def start_gather_others(x: Tensor, group: Group) -> _InFlight:
+def start_gather_others(x: Tensor, group: Group) -> _InFlight | StagedTransfer:
     """Issue sending ``x`` ``[n, ...]`` (chunk d) to every other rank; ``finish()`` ->
     ``[(P-1) n, ...]``, the other ranks' chunks in rank order."""
     staged = _staged("gather_others", x, group)
@@ -154,7 +157,7 @@ def start_gather_others(x: Tensor, group: Group) -> _InFlight:
     )
 
 
-def start_reduce_scatter(x: Tensor, group: Group) -> _InFlight:
+def start_reduce_scatter(x: Tensor, group: Group) -> _InFlight | StagedTransfer:
     """Issue the reduce-scatter of ``x`` ([P n, ...] this rank's terms) over ``group``;
     ``finish()`` -> chunk d of the sum over ranks."""
     staged = _staged("reduce_scatter", x, group)
@@ -170,8 +173,8 @@ class Transfer:
 
     def __init__(self, group: Group):
         self.group = group
-        self.forward: _InFlight | None = None
-        self.backward: _InFlight | None = None
+        self.forward: _InFlight | StagedTransfer | None = None
+        self.backward: _InFlight | StagedTransfer | None = None
 
 
 class _Start(torch.autograd.Function):

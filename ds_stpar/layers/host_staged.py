@@ -7,15 +7,17 @@ those kernels slow the GEMMs the interleaved layer hides its transfers behind: a
 gather beside four 8192^3 GEMMs added 0.96 ms to them through NCCL and 0.10 ms staged by the
 copy engines (2 x H200, twenty-fourth session, call 138). That session's transport issued a
 reader's copies when the caller finished the transfer, so each transfer ran store and
-forward on the layer's critical path (its layer: 1.00-1.08x Megatron TP2 + SP, NCCL's
-1.27-1.31x). Here a rank issues its reads as soon as the peers have issued their writes,
+forward on the layer's critical path (blocks of 4 of its layers at h 8192 / 16K ran
+1.00-1.08x Megatron TP2 + SP, with NCCL's transfers 1.27-1.31x). Here a rank issues its reads as soon as the peers have issued their writes,
 behind GPU-side waits for them on a stream of their own, so the data lands while the caller
-computes. A wait for another process's event holds every later command of a hardware queue,
-so this needs ``CUDA_DEVICE_MAX_CONNECTIONS`` above 1, where the compute stream has a queue
-of its own (Megatron's own tensor-parallel overlap asks for 1; with this transport the
-interleaved layer does not use it). Over the slow link on 2 x H200 (thirty-first session,
+computes. A wait for another process's event holds every later command of its hardware queue,
+so this needs ``CUDA_DEVICE_MAX_CONNECTIONS`` above 1, where CUDA spreads the streams over
+several queues (a stream that still shares the receive stream's queue is only held in
+order, as every rank issues the same transfers in the same order; Megatron's own
+tensor-parallel overlap asks for 1, which the interleaved layer with this transport does not
+need). Over the slow link on 2 x H200 (thirty-first session,
 calls 204-206) the interleaved layer ran 1.30-1.37x Megatron TP2 + SP at h 8192 and
-1.65-1.76x at h 4096 from 16K tokens, where NCCL's transfers gave 1.25-1.31x and 1.50-1.54x
+1.65-1.75x at h 4096 from 16K tokens, where NCCL's transfers gave 1.25-1.31x and 1.50-1.54x
 (BENCHMARKS.md); at h 4096 / 8K, where the host sets the pace, 1.16-1.73x against NCCL's
 1.43-1.46x: a staged transfer costs 0.2-0.4 ms of host time to issue, and a rank's reads
 wait for the peer's host (below), so the two hosts move in step.
@@ -35,8 +37,8 @@ writer's device-to-host copy of the next::
 
 A stream can only wait for an event record the host has already issued, so each rank keeps
 a shared counter of the last exchange whose writes and reads it issued, and reads its peers'
-before it issues a wait (spinning only where it must: at finish, and before writing a slot
-whose readers have not issued theirs). The hosts run ahead of the GPUs, so what a rank waits
+before it issues a wait (spinning only where it must: at finish, before writing a slot whose
+readers have not issued their reads, and before the buffers grow). The hosts run ahead of the GPUs, so what a rank waits
 for there is the skew between the hosts, not GPU time. The host views of the slots are
 made once per buffer and kept.
 
@@ -51,12 +53,14 @@ Patterns, ``x`` as the caller passes it, P ranks, this rank d (``async_comm``'s)
   the sum of the other ranks' terms for chunk d ``[n, ...]``.
 
 Which transport: ``DS_STPAR_TRANSFER_TRANSPORT`` = ``auto`` (default), ``nccl`` or
-``host-staged``, the same on every rank (:func:`stages`). ``auto`` stages a group of GPUs on
-one host, one per process, that cannot reach each other's memory, where no rank runs with
-``CUDA_DEVICE_MAX_CONNECTIONS=1``; NCCL carries everything else, and gloo groups keep their
-collectives. The buffers are ``SLOTS`` slots per rank in ``/dev/shm``, each as large as the
-largest transfer seen (grown collectively, at the same transfer on every rank): at h 8192
-and 32K tokens, 8 x 256 MiB of page-locked host memory per rank.
+``host-staged``, the same on every rank (a group whose ranks differ is refused;
+:func:`stages`). ``auto`` stages a group of GPUs on one host, one per process, that cannot
+reach each other's memory (``NCCL_P2P_DISABLE=1``, or no peer access between some pair),
+where no rank runs with ``CUDA_DEVICE_MAX_CONNECTIONS=1``; NCCL carries everything else, and
+gloo groups keep their collectives. The buffers are ``SLOTS`` slots per rank in
+``/dev/shm``, each as large as the largest transfer seen, rounded up to a page (grown
+collectively, at the same transfer on every rank): at h 8192 and 32K tokens, 8 x 256 MiB
+of page-locked host memory per rank.
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ TRANSPORTS = ("auto", "nccl", "host-staged")
 SLOTS = 8  # transfers in flight before a slot is written again
 PIECES = 2  # each transfer's copies in pieces, the reader's H2D of one beside the next D2H
 SPIN_TIMEOUT_S = 600.0  # NCCL's default watchdog timeout
+_ALIGN = 4096  # bytes: slot sizes, so that any dtype's view of a slot is aligned
 _WRITTEN, _READ = 0, 1  # a rank's counters: the last exchange whose writes / reads it issued
 KINDS = ("gather", "reduce_scatter", "all_reduce", "gather_others", "reduce_others")
 _PER_READER = ("reduce_scatter", "reduce_others")  # a payload part per reader, not one for all
@@ -153,6 +158,7 @@ class HostStagedGroup:
         same transfer, since every rank runs the same shapes) once every copy is done."""
         if self._buffers is not None and nbytes <= self._buffers.slot_bytes:
             return self._buffers
+        nbytes = -(-max(nbytes, 1) // _ALIGN) * _ALIGN  # every slot starts page-aligned
         self._issue_reads(upto=self._count)  # every copy of the old buffers issued,
         torch.cuda.synchronize(self.device)  # and done
         dist.barrier(group=self.group)  # nor a peer's
@@ -351,9 +357,9 @@ _GROUPS: dict[tuple, HostStagedGroup | None] = {}
 def staged_group(group, device: torch.device) -> HostStagedGroup | None:
     """The group's :class:`HostStagedGroup` on ``device`` when its transfers stage through
     host memory (module docstring: ``DS_STPAR_TRANSFER_TRANSPORT``); None when NCCL's (or
-    gloo's) collectives carry them. Collective over ``group`` the first time it is asked."""
-    transport = _transport()
-    if transport == "nccl" or device.type != "cuda" or group.size() < 2:
+    gloo's) collectives carry them. Collective over a GPU group the first time it is asked,
+    whatever the setting, so that ranks set differently fail instead of waiting."""
+    if device.type != "cuda" or group.size() < 2:
         return None
     key = (group, device)
     if key not in _GROUPS:
@@ -363,14 +369,30 @@ def staged_group(group, device: torch.device) -> HostStagedGroup | None:
 
 def _stages(group, device: torch.device) -> bool:
     """Whether the group's transfers stage through host memory (collective; every rank gets
-    the same answer): see :func:`stages`."""
-    from ds_stpar.layers.symmetric import peer_links
-
-    mine = (socket.gethostname(), device.index, os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
-    places: list = [None] * group.size()
-    dist.all_gather_object(places, mine, group=group)
-    peers = peer_links(group, device) if _transport() == "auto" else False
-    return stages(_transport(), places, peers)
+    the same answer): every rank's setting, place and hardware queues, then whether it
+    reaches every other rank's GPU (:func:`stages`)."""
+    mine = (
+        _transport(),
+        socket.gethostname(),
+        device.index,
+        os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
+    )
+    everyone: list = [None] * group.size()
+    dist.all_gather_object(everyone, mine, group=group)
+    settings = {transport for transport, *_ in everyone}
+    if len(settings) > 1:
+        raise ConfigError(
+            f"DS_STPAR_TRANSFER_TRANSPORT differs between the group's ranks: {sorted(settings)}"
+        )
+    places = [place for _, *place in everyone]
+    reach = os.environ.get("NCCL_P2P_DISABLE") != "1" and all(
+        index is not None and torch.cuda.can_device_access_peer(device, index)
+        for rank, (host, index, _) in enumerate(places)
+        if rank != group.rank() and host == socket.gethostname() and index != device.index
+    )
+    verdicts: list = [None] * group.size()
+    dist.all_gather_object(verdicts, reach, group=group)
+    return stages(settings.pop(), places, all(verdicts))
 
 
 def stages(transport: str, places: list[tuple[str, int | None, str | None]], peers: bool) -> bool:
