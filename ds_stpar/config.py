@@ -30,6 +30,7 @@ DTYPES = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 #: what carries the ring's hops (DS_STPAR_RING_TRANSPORT, ds_stpar/layers/symmetric.py)
 RING_TRANSPORTS = ("auto", "nccl", "symmetric-memory")
+TRANSFER_TRANSPORTS = ("auto", "nccl", "host-staged")  # the interleaved layer's transfers
 GiB = 1024**3
 
 

@@ -629,6 +629,50 @@ def test_megatron_args_set_the_ring_transport_the_estimate_priced():
         assert lines == ([f"DS_STPAR_RING_TRANSPORT={transport}"] if transport else []), text
 
 
+def test_megatron_args_set_the_transfer_transport_the_estimate_priced():
+    # the interleaved layer (TP2 ring, 2 pieces) on one node: on GPUs without peer copies
+    # the estimate prices its transfers by the copy engines through host memory
+    # (layers/host_staged.py), which need more than one hardware queue: the file says
+    # host-staged and CUDA_DEVICE_MAX_CONNECTIONS=8, and the estimate is the faster; with peer
+    # copies, or forced to NCCL by the calibration, nccl and rule 12's 1
+    from ds_stpar.planner.comm import staged_transfers
+    from ds_stpar.planner.profile import Calibration, Profile
+
+    model = ModelSpec("m", 4, 4096, 32, vocab_size=32000, max_position_embeddings=4096)
+    train = TrainSpec(4096, 8)
+    interleaved = Strategy(
+        Layout(1, 2, 1, "ring"), micro_batch=4, sequence_parallel=True, interleave=2
+    )
+    no_peers = ClusterSpec(H100, 2, 2, profile=Profile("h100-80g", peer_copies=False))
+    peers = ClusterSpec(H100, 2, 2)
+    default = Calibration.load_default("h100-80g")
+    forced_nccl = dataclasses.replace(default, transfer_transport="nccl")
+    expected = [
+        (no_peers, default, "host-staged", "8"),
+        (no_peers, forced_nccl, "nccl", "1"),
+        (peers, default, "nccl", "1"),
+    ]
+    times = {}
+    for cluster, cal, transport, queues in expected:
+        est = estimate(model, cluster, train, interleaved, cal)
+        text = emit.megatron_args_text(model, cluster, train, interleaved, prediction=est)
+        env = dict(line.split("=", 1) for line in text.splitlines() if line[:1].isupper())
+        assert env["DS_STPAR_TRANSFER_TRANSPORT"] == transport, text
+        assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == queues, text
+        assert est.transfers == transport
+        times[(cluster.profile is None, cal.transfer_transport)] = est.step_time_s
+    assert times[(False, "auto")] < times[(False, "nccl")]
+    # what picks them: the interleaved layer only, its TP group in a node, the setting
+    megatron = Strategy(Layout(1, 2, 1), micro_batch=4, sequence_parallel=True)
+    assert not staged_transfers(megatron, no_peers, "host-staged")
+    assert staged_transfers(interleaved, peers, "host-staged")
+    assert not staged_transfers(interleaved, no_peers, "nccl")
+    across = ClusterSpec(H100, 4, 1, profile=Profile("h100-80g", peer_copies=False))
+    assert not staged_transfers(interleaved, across, "auto")
+    with pytest.raises(ConfigError, match="transfer_transport"):
+        dataclasses.replace(default, transfer_transport="shm")
+
+
 # --------------------------------------------------------------------------------------
 # ds_stpar.json's layout: what the training loop runs as a home layout
 # --------------------------------------------------------------------------------------

@@ -76,9 +76,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ds_stpar.config import TRANSFER_TRANSPORTS as TRANSPORTS
 from ds_stpar.errors import ConfigError
 
-TRANSPORTS = ("auto", "nccl", "host-staged")
 SLOTS = 8  # transfers in flight before a slot is written again
 PIECES = 2  # each transfer's copies in pieces, the reader's H2D of one beside the next D2H
 SPIN_TIMEOUT_S = 600.0  # NCCL's default watchdog timeout

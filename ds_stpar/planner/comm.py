@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ds_stpar.config import ClusterSpec, Layout
+from ds_stpar.config import ClusterSpec, Layout, Strategy
 
 GB = 1e9
 
@@ -115,6 +115,22 @@ def ring_copy_engines(layout: Layout, cluster: ClusterSpec, transport: str) -> b
         return True
     peer = cluster.profile.peer_copies if cluster.profile is not None else True
     return tp_in_node(layout, cluster) and peer
+
+
+def staged_transfers(strategy: Strategy, cluster: ClusterSpec, transport: str) -> bool:
+    """Whether the GPUs' copy engines carry the interleaved layer's transfers through host
+    memory, as ``transport`` (``DS_STPAR_TRANSFER_TRANSPORT``) picks them on the machines
+    (``layers/host_staged.py``): only for a strategy that runs the interleaved layer with its
+    TP group inside a node; ``host-staged`` always there, ``nccl`` never, ``auto`` where the
+    node's GPUs do not reach each other's memory (the profile's ``peer_copies``; nodes
+    without a profile are taken to). The emitted environment then allows more than one
+    hardware queue, which the transport needs."""
+    if not strategy.runs_interleaved or transport == "nccl":
+        return False
+    if not tp_in_node(strategy.layout, cluster):
+        return False
+    peer = cluster.profile.peer_copies if cluster.profile is not None else True
+    return transport == "host-staged" or not peer
 
 
 def placement(layout: Layout, cluster: ClusterSpec) -> Placement:

@@ -50,7 +50,7 @@ from ds_stpar.config import (
 )
 from ds_stpar.errors import ConfigError
 from ds_stpar.planner import memory as mem
-from ds_stpar.planner.comm import Placement, placement, ring_copy_engines
+from ds_stpar.planner.comm import Placement, placement, ring_copy_engines, staged_transfers
 from ds_stpar.planner.compute import (
     Phase,
     Speed,
@@ -151,7 +151,10 @@ class Estimate:
     ``ring_hops``: what the estimate takes to carry the ring linears' or Cannon's neighbour
     hops, ``"copy engines"`` or ``"nccl"`` (:func:`~ds_stpar.planner.comm.ring_copy_engines`;
     a fused ring MLP's partial sums go by NCCL either way; the interleaved layer and
-    Megatron's layouts have none: ``""``).
+    Megatron's layouts have none: ``""``). ``transfers``: what the estimate takes to carry the
+    interleaved layer's transfers, ``"host-staged"`` (the copy engines through host memory,
+    :func:`~ds_stpar.planner.comm.staged_transfers`, priced as hiding wholly behind the
+    GEMMs they run beside) or ``"nccl"``; ``""`` where the layer does not run.
     """
 
     strategy: Strategy
@@ -173,6 +176,7 @@ class Estimate:
     tp_collectives_s: dict[str, float] = field(default_factory=dict)
     stack: str = "fused"  # the calibration's software stack the figures are for
     ring_hops: str = ""
+    transfers: str = ""
 
     def to_dict(self) -> dict:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -247,6 +251,8 @@ class _Context:
         self.two_pass_mlp = strategy.runs_ring_two_pass_mlp(model)
         #: pieces of the interleaved layer (layers/interleave.py), 0 when it does not run
         self.interleave = strategy.interleave if strategy.runs_interleaved else 0
+        #: its transfers go by the copy engines through host memory (layers/host_staged.py)
+        self.staged = staged_transfers(strategy, ev.cluster, ev.cal.transfer_transport)
         #: interleaved layers that hand their pieces on in one block: a model chunk's, the
         #: smallest stage's with uneven stages (not under full recompute, whose layer
         #: checkpoints take plain tensors)
@@ -353,7 +359,7 @@ def block_cost(ctx: _Context) -> BlockCost:
             ctx.t,
             ctx.links.tp,
             ctx.speed,
-            ctx.cal.overlap_fraction,
+            1.0 if ctx.staged else ctx.cal.overlap_fraction,  # no SMs: the GEMMs keep theirs
             ctx.interleave,
             attention,
             elementwise,
@@ -865,6 +871,7 @@ class Evaluator:
             tp_collectives_s={k: ctx.m * ctx.layers[0] * v for k, v in block.collectives.items()},
             stack=self.cal.stack,
             ring_hops=ring_hops(ctx),
+            transfers=("host-staged" if ctx.staged else "nccl") if ctx.interleave else "",
         )
 
 

@@ -465,7 +465,10 @@ def megatron_args_text(
 ) -> str:
     """megatron_args.txt: comment header (with ``prediction``'s numbers when given),
     ``NAME=value`` env lines (with a prediction that has ring hops, the
-    ``DS_STPAR_RING_TRANSPORT`` it priced), then one flag per line."""
+    ``DS_STPAR_RING_TRANSPORT`` it priced; with one of the interleaved layer, the
+    ``DS_STPAR_TRANSFER_TRANSPORT`` it priced, and for transfers by the copy engines
+    ``CUDA_DEVICE_MAX_CONNECTIONS=8``, which they need, in place of rule 12's 1), then one flag
+    per line."""
     args = megatron_args(model, cluster, train, strategy, optimizer)
     strategy = _megatron_sp(strategy)
     lines = [
@@ -489,7 +492,12 @@ def megatron_args_text(
         )
     if train.optimizer == "adam":
         lines.append("# Megatron-LM's adam is AdamW (decoupled weight decay)")
-    lines += [f"{key}={value}" for key, value in megatron_env(train, strategy).items()]
+    env = megatron_env(train, strategy)
+    if prediction is not None and prediction.transfers:
+        env["DS_STPAR_TRANSFER_TRANSPORT"] = prediction.transfers
+        if prediction.transfers == "host-staged":  # layers/host_staged.py: several queues
+            env["CUDA_DEVICE_MAX_CONNECTIONS"] = "8"
+    lines += [f"{key}={value}" for key, value in env.items()]
     if prediction is not None and prediction.ring_hops:
         # the transport the estimate priced: auto takes the copy engines where it found them
         transport = "nccl" if prediction.ring_hops == "nccl" else "auto"
@@ -842,8 +850,13 @@ def bucketed_deepspeed_config(
 
 def hops_note(est: Estimate) -> str:
     """``, ring hops by the copy engines`` (or by NCCL) where the estimate has ring hops: the
-    transport it assumed, which ``DS_STPAR_RING_TRANSPORT`` on the GPUs must leave it."""
+    transport it assumed, which ``DS_STPAR_RING_TRANSPORT`` on the GPUs must leave it; for
+    the interleaved layer, what it took to carry its transfers
+    (``DS_STPAR_TRANSFER_TRANSPORT``)."""
     names = {"nccl": "NCCL", "copy engines": "the copy engines"}
+    if est.transfers:
+        staged = est.transfers == "host-staged"
+        return ", transfers by " + ("the copy engines through host memory" if staged else "NCCL")
     return f", ring hops by {names[est.ring_hops]}" if est.ring_hops else ""
 
 
@@ -902,6 +915,8 @@ def plan_files(
         predicted["stack"] = loop.stack
         if loop.ring_hops:  # the transport the estimate assumed (DS_STPAR_RING_TRANSPORT)
             predicted["ring_hops"] = loop.ring_hops
+        if loop.transfers:  # the interleaved layer's (DS_STPAR_TRANSFER_TRANSPORT)
+            predicted["transfers"] = loop.transfers
         ds = deepspeed_config(
             model,
             cluster,

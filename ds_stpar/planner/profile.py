@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-from ds_stpar.config import GPU_PRESETS, RING_TRANSPORTS, read_json
+from ds_stpar.config import GPU_PRESETS, RING_TRANSPORTS, TRANSFER_TRANSPORTS, read_json
 from ds_stpar.errors import ConfigError, StparError
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
@@ -107,7 +107,11 @@ class Calibration:
     ``DS_STPAR_RING_TRANSPORT`` says on the GPUs: ``auto`` lets the copy engines carry the
     ring linears' hops for a TP group in one node whose GPUs reach each other's memory,
     :attr:`Profile.peer_copies`; ``nccl`` and ``symmetric-memory`` force either; the fused
-    ring MLP's and Cannon's hops stay NCCL's).
+    ring MLP's and Cannon's hops stay NCCL's), ``transfer_transport`` (what
+    ``DS_STPAR_TRANSFER_TRANSPORT`` says: ``auto`` lets the copy engines carry the interleaved
+    layer's transfers through host memory for a TP group in one node whose GPUs do not reach
+    each other's memory, the emitted environment then allowing more than one hardware queue;
+    ``nccl`` and ``host-staged`` force either; ``layers/host_staged.py``).
     """
 
     gemm_peak_fraction: float = 0.8
@@ -134,6 +138,7 @@ class Calibration:
     host_interleave_piece_s: float = 0.0
     ring_mlp_pass_s: float = 0.0
     ring_transport: str = "auto"
+    transfer_transport: str = "auto"
 
     def __post_init__(self) -> None:
         if self.stack not in STACKS:
@@ -142,6 +147,11 @@ class Calibration:
             raise ConfigError(
                 f"calibration ring_transport must be one of {RING_TRANSPORTS}, "
                 f"got {self.ring_transport!r}"
+            )
+        if self.transfer_transport not in TRANSFER_TRANSPORTS:
+            raise ConfigError(
+                f"calibration transfer_transport must be one of {TRANSFER_TRANSPORTS}, "
+                f"got {self.transfer_transport!r}"
             )
         for name in (*HOST_FIELDS, "ring_mlp_pass_s"):  # seconds
             if getattr(self, name) < 0:
