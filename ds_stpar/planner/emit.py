@@ -465,10 +465,10 @@ def megatron_args_text(
 ) -> str:
     """megatron_args.txt: comment header (with ``prediction``'s numbers when given),
     ``NAME=value`` env lines (with a prediction that has ring hops, the
-    ``DS_STPAR_RING_TRANSPORT`` it priced; with one of the interleaved layer, the
-    ``DS_STPAR_TRANSFER_TRANSPORT`` it priced, and for transfers by the copy engines
-    ``CUDA_DEVICE_MAX_CONNECTIONS=8``, which they need, in place of rule 12's 1), then one flag
-    per line."""
+    ``DS_STPAR_RING_TRANSPORT`` it priced; with one of the interleaved layer,
+    ``DS_STPAR_TRANSFER_TRANSPORT=nccl``), then one flag per line. A prediction that priced
+    the interleaved layer's transfers by the copy engines is refused: they need more than
+    one hardware queue, and Megatron-LM asserts ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with TP."""
     args = megatron_args(model, cluster, train, strategy, optimizer)
     strategy = _megatron_sp(strategy)
     lines = [
@@ -493,10 +493,15 @@ def megatron_args_text(
     if train.optimizer == "adam":
         lines.append("# Megatron-LM's adam is AdamW (decoupled weight decay)")
     env = megatron_env(train, strategy)
+    if prediction is not None and prediction.transfers == "host-staged":
+        raise ConfigError(
+            "the prediction prices the interleaved layer's transfers by the copy engines "
+            "through host memory (calibration transfer_transport), which need "
+            "CUDA_DEVICE_MAX_CONNECTIONS above 1; Megatron-LM asserts it is 1 with tensor "
+            "parallelism: estimate the Megatron-LM run with transfer_transport nccl"
+        )
     if prediction is not None and prediction.transfers:
         env["DS_STPAR_TRANSFER_TRANSPORT"] = prediction.transfers
-        if prediction.transfers == "host-staged":  # layers/host_staged.py: several queues
-            env["CUDA_DEVICE_MAX_CONNECTIONS"] = "8"
     lines += [f"{key}={value}" for key, value in env.items()]
     if prediction is not None and prediction.ring_hops:
         # the transport the estimate priced: auto takes the copy engines where it found them

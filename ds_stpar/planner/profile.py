@@ -107,11 +107,13 @@ class Calibration:
     ``DS_STPAR_RING_TRANSPORT`` says on the GPUs: ``auto`` lets the copy engines carry the
     ring linears' hops for a TP group in one node whose GPUs reach each other's memory,
     :attr:`Profile.peer_copies`; ``nccl`` and ``symmetric-memory`` force either; the fused
-    ring MLP's and Cannon's hops stay NCCL's), ``transfer_transport`` (what
-    ``DS_STPAR_TRANSFER_TRANSPORT`` says: ``auto`` lets the copy engines carry the interleaved
-    layer's transfers through host memory for a TP group in one node whose GPUs do not reach
-    each other's memory, the emitted environment then allowing more than one hardware queue;
-    ``nccl`` and ``host-staged`` force either; ``layers/host_staged.py``).
+    ring MLP's and Cannon's hops stay NCCL's), ``transfer_transport`` (how the interleaved layer's transfers
+    run, ``DS_STPAR_TRANSFER_TRANSPORT``: ``nccl``, the default, as Megatron-LM runs them,
+    whose ``pretrain_gpt.py`` asserts ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with TP, under which
+    the layer keeps NCCL's; ``auto`` prices the copy engines through host memory
+    (``layers/host_staged.py``) for a TP group in one node whose GPUs do not reach each
+    other's memory, as a megatron-core model run in-process with more hardware queues takes
+    them; ``host-staged`` forces them).
     """
 
     gemm_peak_fraction: float = 0.8
@@ -138,7 +140,7 @@ class Calibration:
     host_interleave_piece_s: float = 0.0
     ring_mlp_pass_s: float = 0.0
     ring_transport: str = "auto"
-    transfer_transport: str = "auto"
+    transfer_transport: str = "nccl"
 
     def __post_init__(self) -> None:
         if self.stack not in STACKS:
@@ -257,7 +259,8 @@ class Profile:
     collective over ``n`` GPUs of one node (``p2p``: plain bandwidth between two GPUs).
     ``peer_copies``: whether the GPUs of a node all reach each other's memory (CUDA peer
     access, ``NCCL_P2P_DISABLE`` not 1), where the ring's ``auto`` transport takes the copy
-    engines; true when not measured (NVLink nodes).
+    engines, and where not, the interleaved layer's ``auto`` transfer transport stages
+    through host memory; true when not measured (NVLink nodes).
     """
 
     gpu: str

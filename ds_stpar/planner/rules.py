@@ -22,7 +22,7 @@ in a :class:`MegatronOptions`; :func:`megatron_options` gives the values ds-stpa
 | 9 | sequence parallel is off when t == 1 (and needs seq_len % t == 0); TP comm overlap needs SP |
 | 10 | full recompute needs a method and 1 <= recompute_num_layers <= layers per stage; selective none |
 | 11 | overlap-param-gather needs the distributed optimizer and overlap-grad-reduce |
-| 12 | CUDA_DEVICE_MAX_CONNECTIONS=1 when t > 1 or c > 1 (before Blackwell; megatron_args.txt says 8 where the estimate priced the interleaved layer's transfers by the copy engines, which need several queues) |
+| 12 | CUDA_DEVICE_MAX_CONNECTIONS=1 when t > 1 or c > 1 (before Blackwell) |
 | 13 | DeepSpeed's PipelineEngine refuses ZeRO-2/3: with p > 1, zero is 0 or 1 |
 | 14 | ring: sequence parallel on (its boundary layout) and seq_len % t == 0 |
 | 15 | Cannon: t = q^2, q >= 2; SP on; seq_len % t, hidden % q, FFN % t, QKV width % t == 0 |
