@@ -461,6 +461,7 @@ def plan_command(args: argparse.Namespace) -> int:
             allow_tp_across_nodes=allow,
             buckets=buckets,
             loop=loop,
+            interleave=args.interleave,
         )
     written = [str(p) for p in emit.write_files_atomically(args.out, files)] if files else []
     if args.json:

@@ -320,6 +320,25 @@ def test_search_takes_the_interleaved_layer_over_a_slow_link_only_when_asked():
     assert not any(est.strategy.interleave for est in plain.top)
 
 
+def test_plan_files_write_the_interleaved_layer_for_megatron_lm_when_asked():
+    # A short step (2 layers of h 8192, a global batch of 2 sequences) on 2 x H200 over the
+    # slow link: asked (plan --interleave), Megatron-LM's fastest layout is the interleaved
+    # TP2 ring, and megatron_args.txt carries it with NCCL's transfers under rule 12's one
+    # hardware queue; not asked, the plain TP2 ring.
+    model = ModelSpec("m", 2, 8192, 64, vocab_size=1024, max_position_embeddings=4096)
+    cluster = ClusterSpec(load_gpu("h200-141g"), 2, 2, profile=_links("h200-141g", "slow"))
+    train = TrainSpec(4096, 2)
+    for asked in (True, False):
+        result = search(model, cluster, train, top_k=20, interleave=asked)
+        files = emit.plan_files(result, model, cluster, train, interleave=asked)
+        lines = files["megatron_args.txt"].splitlines()
+        env = dict(line.split("=", 1) for line in lines if line[:1].isupper())
+        assert ("DS_STPAR_INTERLEAVE" in env) == asked, files["megatron_args.txt"]
+        assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+        assert env.get("DS_STPAR_TRANSFER_TRANSPORT") == ("nccl" if asked else None)
+        assert "--tensor-model-parallel-size 2" in lines
+
+
 def test_host_per_piece_reproduces_the_whole_model_runs(edges_whole):
     # bench/planner_accuracy.py cases 20 and 22 (gpt3-2.7b, TP2, micro-batches of 2 x 4096,
     # the interleaved layer handing on; twenty-first session): on 2 x H200 (call 118) over

@@ -740,8 +740,10 @@ def megatron_estimate(
     tp_modes: Sequence[str] = TP_MODES,
     calibration: Calibration | None = None,
     allow_tp_across_nodes: bool | None = None,
+    interleave: bool = False,
 ) -> Estimate | None:
-    """The fastest strategy as Megatron-LM runs it, for megatron_args.txt (``None`` if none fits).
+    """The fastest strategy as Megatron-LM runs it, for megatron_args.txt (``None`` if none fits);
+    ``interleave``: ring layouts are tried as the interleaved layer too (``plan --interleave``).
 
     Megatron-LM shards only the optimizer state (ZeRO-1, ``--use-distributed-optimizer``) and
     keeps fp32 main gradients, so the search is redone with 4-byte gradients
@@ -750,7 +752,14 @@ def megatron_estimate(
     """
     cal = (calibration or Calibration.load_default(cluster.gpu.name)).replace(grad_bytes=4)
     return _fastest(
-        model, cluster, train, tp_modes, allow_tp_across_nodes, lambda s: s.zero <= 1, cal
+        model,
+        cluster,
+        train,
+        tp_modes,
+        allow_tp_across_nodes,
+        lambda s: s.zero <= 1,
+        cal,
+        interleave,
     )
 
 
@@ -762,6 +771,7 @@ def _fastest(
     allow_tp_across_nodes: bool | None,
     keep: Callable[[Strategy], bool],
     calibration: Calibration | None = None,
+    interleave: bool = False,
 ) -> Estimate | None:
     """The fastest fitting strategy ``keep`` accepts, from a search keeping every strategy."""
     found = search(
@@ -772,6 +782,7 @@ def _fastest(
         tp_modes=tuple(tp_modes),
         calibration=calibration,
         allow_tp_across_nodes=allow_tp_across_nodes,
+        interleave=interleave,
     )
     return next((e for e in found.top if keep(e.strategy)), None)
 
@@ -875,6 +886,7 @@ def plan_files(
     allow_tp_across_nodes: bool | None = None,
     buckets: BucketPlan | None = None,
     loop: Estimate | None = None,
+    interleave: bool = False,
 ) -> dict[str, str]:
     """The contents of the three plan files: ds_stpar.json for ``loop`` (the CLI passes
     :func:`loop_estimate`; default: the first fitting estimate of ``result`` that the training
@@ -882,7 +894,8 @@ def plan_files(
     bucketed plan (:func:`bucketed_deepspeed_config`),
     megatron_args.txt for :func:`megatron_estimate`'s (the best one with ZeRO capped at 1
     and a "does NOT fit" warning when nothing fits Megatron-LM; Megatron-LM has no buckets),
-    plan.md for all of ``result`` and the buckets. When nothing of the ranking fits (the
+    plan.md for all of ``result`` and the buckets (``interleave``: Megatron-LM's search tries
+    the interleaved layer too, as ``plan --interleave`` ranks it). When nothing of the ranking fits (the
     published Megatron-LM stack counts more memory than the loop's local modules) but
     ``loop`` or ``buckets`` is given, ds_stpar.json is still written and megatron_args.txt
     holds the ranking's closest layout, marked as not fitting."""
@@ -936,7 +949,12 @@ def plan_files(
             f"{LOOP_RULE}" + (", ranked 1" if loop.strategy == best.strategy else "")
         )
     mega = megatron_estimate(
-        model, cluster, train, tp_modes, allow_tp_across_nodes=allow_tp_across_nodes
+        model,
+        cluster,
+        train,
+        tp_modes,
+        allow_tp_across_nodes=allow_tp_across_nodes,
+        interleave=interleave,
     )
     if mega is None:
         capped = dataclasses.replace(best.strategy, zero=min(best.strategy.zero, 1))
