@@ -346,9 +346,10 @@ def plan_command_parser(subparsers=None) -> argparse.ArgumentParser:
     out.add_argument(
         "--interleave",
         action="store_true",
-        help="also rank ring layouts as the interleaved layer of 2 pieces (Megatron-LM with "
-        "unpacked micro-batches of whole sequences, DS_STPAR_INTERLEAVE; it wins over slow TP "
-        "links; the training loop packs rows and cannot run it)",
+        help="also rank ring layouts as the interleaved layer of 2 pieces, and try them for "
+        "megatron_args.txt (Megatron-LM with unpacked micro-batches of whole sequences, "
+        "DS_STPAR_INTERLEAVE; it wins over slow TP links; the training loop packs rows and "
+        "cannot run it)",
     )
     out.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     _add_data_args(parser, required=False)
