@@ -42,6 +42,7 @@ sixteenth session, calls 70-71) in one kernel per transfer with no hop bookkeepi
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -71,18 +72,25 @@ def _issue(collective, out: Tensor, x: Tensor, group: Group) -> _InFlight:
     return _InFlight(collective(out, x, group=group, async_op=True), out)
 
 
-def _staged(kind: str, x: Tensor, group: Group, in_place: bool = False) -> StagedTransfer | None:
-    """The transfer staged through host memory by the copy engines where the group's
-    transport is that (:mod:`ds_stpar.layers.host_staged`); None where NCCL carries it."""
-    staged = staged_group(group, x.device)
-    return None if staged is None else staged.start(kind, x, in_place)
+def _or_staged(kind: str, in_place: bool = False) -> Callable:
+    """A start function whose transfer is staged through host memory by the copy engines
+    where the group's transport is that (:mod:`ds_stpar.layers.host_staged`), its own
+    (NCCL's, gloo's) elsewhere."""
+
+    def wrap(start: Callable[[Tensor, Group], _InFlight]) -> Callable:
+        @functools.wraps(start)
+        def started(x: Tensor, group: Group) -> _InFlight | StagedTransfer:
+            staged = staged_group(group, x.device)
+            return start(x, group) if staged is None else staged.start(kind, x, in_place)
+
+        return started
+
+    return wrap
 
 
-def start_gather(x: Tensor, group: Group) -> _InFlight | StagedTransfer:
+@_or_staged("gather")
+def start_gather(x: Tensor, group: Group) -> _InFlight:
     """Issue the gather of ``x`` (chunk d, dim 0) over ``group``; ``finish()`` -> [P n, ...]."""
-    staged = _staged("gather", x, group)
-    if staged is not None:
-        return staged
     out = x.new_empty((group.size() * x.shape[0], *x.shape[1:]))
     return _issue(_ALL_GATHER, out, x, group)
 
@@ -92,21 +100,17 @@ def _all_reduce_into(out: Tensor, x: Tensor, group: Group, async_op: bool):
     return dist.all_reduce(out, group=group, async_op=async_op)
 
 
-def start_all_reduce(x: Tensor, group: Group) -> _InFlight | StagedTransfer:
+@_or_staged("all_reduce")
+def start_all_reduce(x: Tensor, group: Group) -> _InFlight:
     """Issue the sum of ``x`` over ``group``; ``finish()`` -> the sum, on every rank."""
-    staged = _staged("all_reduce", x, group)
-    if staged is not None:
-        return staged
     return _issue(_all_reduce_into, torch.empty_like(x), x, group)
 
 
-def start_all_reduce_in_place(x: Tensor, group: Group) -> _InFlight | StagedTransfer:
+@_or_staged("all_reduce", in_place=True)
+def start_all_reduce_in_place(x: Tensor, group: Group) -> _InFlight:
     """:func:`start_all_reduce` summing into ``x`` itself: no copy, ``x`` is the sum after
     ``finish()``, which returns it as a new tensor of the same memory (``x``'s own autograd
     history is left as it was)."""
-    staged = _staged("all_reduce", x, group, in_place=True)
-    if staged is not None:
-        return staged
     return _InFlight(dist.all_reduce(x, group=group, async_op=True), x.detach())
 
 
@@ -127,13 +131,11 @@ def _others(group: Group, rows: int) -> list[int]:
     return [0 if rank == group.rank() else rows for rank in range(group.size())]
 
 
-def start_reduce_others(x: Tensor, group: Group) -> _InFlight | StagedTransfer:
+@_or_staged("reduce_others")
+def start_reduce_others(x: Tensor, group: Group) -> _InFlight:
     """Issue sending ``x`` ``[(P-1) n, ...]`` (this rank's terms for the other ranks' chunks,
     rank order) to those ranks; ``finish()`` -> ``[n, ...]``, the sum of the other ranks'
     terms for chunk d."""
-    staged = _staged("reduce_others", x, group)
-    if staged is not None:
-        return staged
     parts = group.size() - 1
     splits = _others(group, x.shape[0] // parts)
     out = torch.empty_like(x)
@@ -142,12 +144,10 @@ def start_reduce_others(x: Tensor, group: Group) -> _InFlight | StagedTransfer:
     )
 
 
-def start_gather_others(x: Tensor, group: Group) -> _InFlight | StagedTransfer:
+@_or_staged("gather_others")
+def start_gather_others(x: Tensor, group: Group) -> _InFlight:
     """Issue sending ``x`` ``[n, ...]`` (chunk d) to every other rank; ``finish()`` ->
     ``[(P-1) n, ...]``, the other ranks' chunks in rank order."""
-    staged = _staged("gather_others", x, group)
-    if staged is not None:
-        return staged
     parts = group.size() - 1
     sent = x if parts == 1 else x.repeat(parts, *([1] * (x.dim() - 1)))
     out = torch.empty_like(sent)
@@ -157,12 +157,10 @@ def start_gather_others(x: Tensor, group: Group) -> _InFlight | StagedTransfer:
     )
 
 
-def start_reduce_scatter(x: Tensor, group: Group) -> _InFlight | StagedTransfer:
+@_or_staged("reduce_scatter")
+def start_reduce_scatter(x: Tensor, group: Group) -> _InFlight:
     """Issue the reduce-scatter of ``x`` ([P n, ...] this rank's terms) over ``group``;
     ``finish()`` -> chunk d of the sum over ranks."""
-    staged = _staged("reduce_scatter", x, group)
-    if staged is not None:
-        return staged
     out = x.new_empty((x.shape[0] // group.size(), *x.shape[1:]))
     return _issue(_REDUCE_SCATTER, out, x, group)
 

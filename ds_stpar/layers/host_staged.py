@@ -221,8 +221,8 @@ class HostStagedGroup:
             sent = self.send_stream.record_event()
         self._mine[_WRITTEN] = k
         own = parts[self.rank] if kind == "reduce_scatter" else x
-        transfer = StagedTransfer(self, kind, k, buffers, (own, payload, arriving, result))
-        transfer.ready, transfer.sent, transfer.in_place = ready, sent, in_place
+        tensors = (own, payload, arriving, result)
+        transfer = StagedTransfer(self, kind, k, buffers, tensors, ready, sent, in_place)
         self._unread.append(transfer)
         self._issue_reads(upto=-1)
         return transfer
@@ -277,16 +277,12 @@ class HostStagedGroup:
         compute.wait_event(transfer.received)
         if result is not None:
             return result
-        if transfer.kind == "reduce_others":
-            total = arriving[0]
-            for term in arriving[1:]:
-                total = total + term
-            return total
-        terms = list(arriving)
-        terms.insert(self.rank, own)  # summed in rank order: the same bits on every rank
+        terms = list(arriving)  # the peers' terms, rank order
+        if transfer.kind != "reduce_others":  # with this rank's own term
+            terms.insert(self.rank, own)  # summed in rank order: the same bits on every rank
         if transfer.in_place and self.size == 2:
             return own.add_(terms[1 - self.rank]).detach()
-        total = terms[0] + terms[1]
+        total = terms[0] + terms[1] if len(terms) > 1 else terms[0]
         for term in terms[2:]:
             total += term
         return own.copy_(total).detach() if transfer.in_place else total
@@ -341,11 +337,11 @@ class StagedTransfer:
     :meth:`finish` returns its result on the current stream (it holds its tensors until
     then)."""
 
-    def __init__(self, owner, kind: str, exchange: int, buffers, tensors) -> None:
+    def __init__(self, owner, kind, exchange, buffers, tensors, ready, sent, in_place) -> None:
         self._owner, self.kind, self.exchange = owner, kind, exchange
         self.buffers, self.tensors = buffers, tensors
-        self.ready = self.sent = self.received = None
-        self.in_place = False
+        self.ready, self.sent, self.in_place = ready, sent, in_place
+        self.received = None  # recorded once its reads are issued
 
     def finish(self) -> Tensor:
         return self._owner.finish(self)

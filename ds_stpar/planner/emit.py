@@ -933,8 +933,6 @@ def plan_files(
         predicted["stack"] = loop.stack
         if loop.ring_hops:  # the transport the estimate assumed (DS_STPAR_RING_TRANSPORT)
             predicted["ring_hops"] = loop.ring_hops
-        if loop.transfers:  # the interleaved layer's (DS_STPAR_TRANSFER_TRANSPORT)
-            predicted["transfers"] = loop.transfers
         ds = deepspeed_config(
             model,
             cluster,
