@@ -292,7 +292,8 @@ class Row:
     note: str = ""
     times_ms: list[float] = field(default_factory=list)
     memory_trace: dict | None = None  # --memory-trace: rank 0's peak by source line
-    # ring variants: "copy engines" or "nccl" (ds_stpar/layers/symmetric.py)
+    # ring variants' hops: "copy engines" (peer links, ds_stpar/layers/symmetric.py),
+    # "host-staged" (through host memory, ds_stpar/layers/host_staged.py) or "nccl"
     ring_transport: str | None = None
 
 
@@ -1016,11 +1017,13 @@ def time_variant(variant: str, case: Case, rt: Runtime, async_name, full) -> Row
         rt.sync()
         peak = rt.peak() - base
         if variant in RING_PASSES and rt.cuda:  # the ring's copy-engine buffer, when in use
+            from ds_stpar.layers.host_staged import staged_group
             from ds_stpar.layers.symmetric import workspace_bytes
 
             held = workspace_bytes(rt.device)
             peak += held
-            row.ring_transport = "copy engines" if held else "nccl"
+            staged = staged_group(rt.tp_group, rt.device) is not None
+            row.ring_transport = "copy engines" if held else "host-staged" if staged else "nccl"
         block = case.name.replace(" ", "")  # "layer", "layerx4", "mlp"
         name = f"{block}-{case.hidden}-{case.tokens}-{variant}-rank-{rt.rank}.json.gz"
         if rt.trace_dir:

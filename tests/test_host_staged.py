@@ -149,6 +149,57 @@ def test_two_gpu_more_transfers_in_flight_than_slots(monkeypatch) -> None:
     run_workers(_many_in_flight_worker, 2, backend="nccl")
 
 
+def _ring_worker(rank: int, world_size: int) -> None:
+    """The ring layers' hops (``comm.start_ring_hop``) staged and through NCCL: the fused
+    ring MLP's forward and every gradient, and a two-pass ring layer's passes (rotating
+    chunks and a rotating accumulator in one batch), bit for bit the same (copies either
+    way, the same sums in the same order)."""
+    import os
+
+    from ds_stpar.layers import comm, host_staged
+    from ds_stpar.layers.ring_mlp import ring_mlp
+
+    device = torch.device("cuda", rank)
+    groups = {}
+    for transport in ("nccl", "host-staged"):  # each group's transport: set at its first use
+        os.environ["DS_STPAR_TRANSFER_TRANSPORT"] = transport
+        groups[transport] = dist.new_group(list(range(world_size)))
+        host_staged.staged_group(groups[transport], device)
+    assert host_staged._GROUPS[(groups["nccl"], device)] is None
+    assert host_staged._GROUPS[(groups["host-staged"], device)] is not None
+    g = torch.Generator().manual_seed(7)  # the same weights on both ranks, own rows each
+    k, f = 256, 384
+    w1 = torch.randn(f, k, generator=g).bfloat16().to(device) / 16
+    w2 = torch.randn(k, f, generator=g).bfloat16().to(device) / 16
+    b1 = torch.randn(f, generator=g).bfloat16().to(device)
+    x = _inputs(rank, (512, 2, k), torch.bfloat16, device, 5)
+    dy = _inputs(rank, (512, 2, k), torch.bfloat16, device, 6)
+    act = torch.nn.functional.gelu
+    chunk = _inputs(rank, (64, 2, 96), torch.float32, device, 8)
+    got = {}
+    for transport, group in groups.items():
+        leaves = [t.clone().requires_grad_() for t in (x, w1, b1, w2)]
+        y = ring_mlp(*leaves, act, group, pieces=3, min_piece_flop=0)
+        y.backward(dy)
+        visited: list = []
+        total = comm.ring_pass(
+            group,
+            rotate=chunk,
+            visit=lambda c, t, seen=visited: seen.append(t.clone()),
+            partial=lambda m: chunk * (m + 1) + rank,
+        )
+        got[transport] = [y, *(t.grad for t in leaves), total, *visited]
+    for i, (a, b) in enumerate(zip(got["nccl"], got["host-staged"], strict=True)):
+        assert torch.equal(a, b), f"result {i} differs between the transports"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpus(2), reason="needs 2 CUDA GPUs (CI has none)")
+def test_two_gpu_ring_hops_staged_match_nccl(monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    run_workers(_ring_worker, 2, backend="nccl")
+
+
 def _settings_worker(rank: int, world_size: int) -> None:
     import os
 

@@ -59,6 +59,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ds_stpar.errors import ConfigError
+from ds_stpar.layers.host_staged import staged_group
 from ds_stpar.layers.symmetric import symmetric_ring
 
 Group = dist.ProcessGroup
@@ -222,6 +223,24 @@ def start_p2p(sends: Sequence[Message], recvs: Sequence[Message], group: Group) 
     return pending
 
 
+def start_ring_hop(sends: Sequence[Message], recvs: Sequence[Message], group: Group) -> PendingP2P:
+    """:func:`start_p2p` for a ring's hop, which every rank of ``group`` issues at the same
+    point: each rank's ``sends`` go to one neighbour and its ``recvs`` come from the other,
+    matching that neighbour's sends in order and size. Where the group's transfers stage
+    through host memory (:mod:`ds_stpar.layers.host_staged`: GPUs of one host without peer
+    access) the copy engines move the hop, sparing the SMs NCCL's kernels would take beside
+    the GEMMs it hides behind; elsewhere :func:`start_p2p`."""
+    device = (sends or recvs)[0].tensor.device
+    staged = staged_group(group, device) if device.type == "cuda" else None
+    if staged is None:
+        return start_p2p(sends, recvs, group)
+    (to,), (source,) = {m.peer for m in sends}, {m.peer for m in recvs}
+    received = [msg.tensor for msg in recvs]
+    transfer = staged.start_shift([m.tensor.contiguous() for m in sends], to, received, source)
+    _bound_in_flight(torch.cuda.current_stream(device))
+    return PendingP2P([transfer], received, None)
+
+
 def _bound_in_flight(compute: torch.cuda.Stream) -> None:
     """Count a batch just issued from ``compute`` against :data:`MAX_IN_FLIGHT` (see
     :class:`InFlightLimit`)."""
@@ -293,7 +312,7 @@ def ring_pass(
                     acc_buffer = torch.empty_like(total)
                 sends.append(Message(total.contiguous(), left, 1))
                 recvs.append(Message(acc_buffer, right, 1))
-            pending = start_p2p(sends, recvs, group)
+            pending = start_ring_hop(sends, recvs, group)
         if visit is not None:
             visit(here, chunk)
     return total

@@ -8,39 +8,40 @@ gather beside four 8192^3 GEMMs added 0.96 ms to them through NCCL and 0.10 ms s
 copy engines (2 x H200, twenty-fourth session, call 138). That session's transport issued a
 reader's copies when the caller finished the transfer, so each transfer ran store and
 forward on the layer's critical path (blocks of 4 of its layers at h 8192 / 16K ran
-1.00-1.08x Megatron TP2 + SP, with NCCL's transfers 1.27-1.31x). Here a rank issues its reads as soon as the peers have issued their writes,
-behind GPU-side waits for them on a stream of their own, so the data lands while the caller
-computes. A wait for another process's event holds every later command of its hardware queue,
-so this needs ``CUDA_DEVICE_MAX_CONNECTIONS`` above 1, where CUDA spreads the streams over
-several queues (a stream that still shares the receive stream's queue is only held in
-order, as every rank issues the same transfers in the same order; Megatron's own
-tensor-parallel overlap asks for 1, which the interleaved layer with this transport does not
-need). Over the slow link on 2 x H200 (thirty-first session,
-calls 204-206) the interleaved layer ran 1.30-1.37x Megatron TP2 + SP at h 8192 and
-1.65-1.75x at h 4096 from 16K tokens, where NCCL's transfers gave 1.25-1.31x and 1.50-1.54x
-(BENCHMARKS.md); at h 4096 / 8K, where the host sets the pace, 1.16-1.73x against NCCL's
-1.43-1.46x: a staged transfer costs 0.2-0.4 ms of host time to issue, and a rank's reads
-wait for the peer's host (below), so the two hosts move in step.
+1.00-1.08x Megatron TP2 + SP, with NCCL's transfers 1.27-1.31x). Here a rank issues its
+reads when it starts the transfer, behind GPU-side waits for flags in shared host memory that
+the writers' streams set after their copies (:mod:`ds_stpar.layers.stream_flags`), on a
+stream of their own, so the data lands while the caller computes and neither host waits for
+the other. A GPU-side wait holds every later command of its hardware queue, so this needs
+``CUDA_DEVICE_MAX_CONNECTIONS`` above 1, where CUDA spreads the streams over several queues
+(a stream that still shares the receive stream's queue is only held in order, as every rank
+issues the same transfers in the same order; Megatron's own tensor-parallel overlap asks for
+1, which the interleaved layer with this transport does not need).
+
+The thirty-first session's version waited for the writers' IPC events instead, which a
+stream can wait for only once the writer's host has recorded them: each rank's host issued
+its reads only after its peers' hosts had issued their writes, so the hosts moved in step.
+Over the slow link on 2 x H200 (calls 204-206) it ran the interleaved layer 1.30-1.37x
+Megatron TP2 + SP at h 8192 and 1.65-1.75x at h 4096 from 16K tokens, where NCCL's transfers
+gave 1.25-1.31x and 1.50-1.54x (BENCHMARKS.md); at h 4096 / 8K, where the host sets the
+pace, 1.16-1.73x against NCCL's 1.43-1.46x.
 
 One transfer, exchange k of the group (every rank starts the same transfers in the same
 order, as for NCCL's collectives), in slot ``k % SLOTS`` of every rank's buffer, each copy
 in ``PIECES`` pieces so that a reader's host-to-device copy of one piece runs beside the
-writer's device-to-host copy of the next::
+writer's device-to-host copy of the next; every rank's flags count exchanges + 1::
 
-    start           send stream: wait for the compute stream (the payload is written) and
-                    for the readers of exchange k - SLOTS (the slot is free); per piece: D2H
-                    into this rank's slot, record ``written``
-    as soon as the peers have issued their writes (at this or a later start, at the latest
-    at finish)      receive stream: per piece and peer: wait for its ``written``, H2D what
-                    this rank needs from its slot; record ``read``
+    send stream     wait for the compute stream (the payload is written) and for every
+                    peer's ``read`` flag of the slot to reach k - SLOTS + 1 (the slot is
+                    free); per piece: D2H into this rank's slot, set ``written`` to k + 1
+    receive stream  wait for the compute stream (what arrives is allocated); per piece and
+                    peer: wait for its ``written`` to reach k + 1, H2D what this rank needs
+                    from its slot; set this rank's ``read`` of the slot to k + 1
     finish          the compute stream waits for both; adds or places what arrived
 
-A stream can only wait for an event record the host has already issued, so each rank keeps
-a shared counter of the last exchange whose writes and reads it issued, and reads its peers'
-before it issues a wait (spinning only where it must: at finish, before writing a slot whose
-readers have not issued their reads, and before the buffers grow). The hosts run ahead of the GPUs, so what a rank waits
-for there is the skew between the hosts, not GPU time. The host views of the slots are
-made once per buffer and kept.
+The host views of the slots are made once per buffer and kept. A rank that never writes
+(gone, or starting different transfers) leaves its peers' receive streams waiting, as an
+NCCL collective would; the launcher (torchrun) ends the job when a rank dies.
 
 Patterns, ``x`` as the caller passes it, P ranks, this rank d (``async_comm``'s):
 
@@ -68,9 +69,7 @@ from __future__ import annotations
 import mmap
 import os
 import socket
-import time
 import uuid
-from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -78,12 +77,12 @@ from torch import Tensor
 
 from ds_stpar.config import TRANSFER_TRANSPORTS as TRANSPORTS
 from ds_stpar.errors import ConfigError
+from ds_stpar.layers.stream_flags import HostFlags
 
 SLOTS = 8  # transfers in flight before a slot is written again
 PIECES = 2  # each transfer's copies in pieces, the reader's H2D of one beside the next D2H
-SPIN_TIMEOUT_S = 600.0  # NCCL's default watchdog timeout
 _ALIGN = 4096  # bytes: slot sizes, so that any dtype's view of a slot is aligned
-_WRITTEN, _READ = 0, 1  # a rank's counters: the last exchange whose writes / reads it issued
+_FLAGS = SLOTS * PIECES + SLOTS  # a rank's flags: each piece of each slot written, each slot read
 KINDS = ("gather", "reduce_scatter", "all_reduce", "gather_others", "reduce_others")
 _PER_READER = ("reduce_scatter", "reduce_others")  # a payload part per reader, not one for all
 _ONE_QUEUE = (
@@ -118,34 +117,14 @@ class HostStagedGroup:
             raise ConfigError(_ONE_QUEUE)
         self.group, self.device = group, device
         self.size, self.rank = group.size(), group.rank()
+        self.peers = [r for r in range(self.size) if r != self.rank]
         self.send_stream = torch.cuda.Stream(device)
         self.recv_stream = torch.cuda.Stream(device)
-        self.written = [torch.cuda.Event(interprocess=True) for _ in range(SLOTS * PIECES)]
-        self.read = [torch.cuda.Event(interprocess=True) for _ in range(SLOTS)]
-        for event in self.written + self.read:  # made on this device, then shared
-            event.record(torch.cuda.current_stream(device))
-        me = f"ds_stpar_{self._agree(uuid.uuid4().hex[:16])}_{self.rank}_ctr"
-        self._mine = memoryview(_shared(me, 64, create=True)).cast("q")
-        self._mine[_WRITTEN] = self._mine[_READ] = -1
-        handles = ([e.ipc_handle() for e in self.written], [e.ipc_handle() for e in self.read])
-        everyone: list = [None] * self.size
-        dist.all_gather_object(everyone, (me, handles), group=group)
-        self.peers = [r for r in range(self.size) if r != self.rank]
-        self._theirs = {
-            r: memoryview(_shared(everyone[r][0], 64, create=False)).cast("q") for r in self.peers
-        }
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        opened = {
-            r: [[torch.cuda.Event.from_ipc_handle(index, h) for h in hs] for hs in everyone[r][1]]
-            for r in self.peers
-        }
-        self._peer_written = {r: opened[r][0] for r in self.peers}
-        self._peer_read = {r: opened[r][1] for r in self.peers}
-        dist.barrier(group=group)
-        os.unlink(f"/dev/shm/{me}")  # every rank has it mapped: the name can go
+        with torch.cuda.device(device):
+            self._pages = _SharedPages(self, self._agree(uuid.uuid4().hex[:16]), "flags", 4096)
+            self._flags = {r: HostFlags(page, _FLAGS) for r, page in self._pages.bytes.items()}
         self._buffers: _Buffers | None = None
         self._count = 0  # transfers started
-        self._unread: deque[StagedTransfer] = deque()  # started, their reads not yet issued
 
     def _agree(self, tag: str) -> str:
         """Rank 0's ``tag`` on every rank of the group."""
@@ -159,27 +138,12 @@ class HostStagedGroup:
         if self._buffers is not None and nbytes <= self._buffers.slot_bytes:
             return self._buffers
         nbytes = -(-max(nbytes, 1) // _ALIGN) * _ALIGN  # every slot starts page-aligned
-        self._issue_reads(upto=self._count)  # every copy of the old buffers issued,
-        torch.cuda.synchronize(self.device)  # and done
-        dist.barrier(group=self.group)  # nor a peer's
+        torch.cuda.synchronize(self.device)  # every copy of the old buffers done,
+        dist.barrier(group=self.group)  # and every peer's
         if self._buffers is not None:
             self._buffers.close()
         self._buffers = _Buffers(self, self._agree(uuid.uuid4().hex[:16]), nbytes)
         return self._buffers
-
-    def _spin(self, index: int, exchange: int) -> None:
-        """Wait on the host until every peer has issued ``index`` for ``exchange``."""
-        deadline = None
-        for r in self.peers:
-            while self._theirs[r][index] < exchange:
-                deadline = deadline or time.monotonic() + SPIN_TIMEOUT_S
-                if time.monotonic() > deadline:
-                    what = "writes" if index == _WRITTEN else "reads"
-                    raise RuntimeError(
-                        f"host-staged transfer {exchange}: rank {r} of the group did not "
-                        f"issue its {what} within {SPIN_TIMEOUT_S:.0f} s (a rank gone, or "
-                        "ranks starting different transfers)"
-                    )
 
     def start(self, kind: str, x: Tensor, in_place: bool = False) -> StagedTransfer:
         """Issue a ``kind`` transfer of ``x`` (module docstring); ``finish()`` on the result
@@ -194,67 +158,68 @@ class HostStagedGroup:
             else None
         )
         payload = [parts[r] for r in self.peers] if kind == "reduce_scatter" else parts or [x]
-        part_bytes = payload[0].numel() * payload[0].element_size()
-        buffers = self._reserve(part_bytes * len(payload))
-        k, slot = self._count, self._count % SLOTS
-        self._count += 1
-        compute = torch.cuda.current_stream(self.device)
-        result, arriving = self._receiving(kind, x, payload[0])
-        ready = compute.record_event()  # the payload is written, what arrives is allocated
-        if k >= SLOTS:  # the slot's last readers: this rank's own first, then the peers'
-            self._issue_reads(upto=k - SLOTS)
-            self._spin(_READ, k - SLOTS)
-        with torch.cuda.stream(self.send_stream):
-            self.send_stream.wait_event(ready)
-            if k >= SLOTS:
-                for r in self.peers:
-                    self.send_stream.wait_event(self._peer_read[r][slot])
-            sources = [_pieces(part) for part in payload]
-            places = [
-                buffers.pieces(self.rank, slot, i * part_bytes, part.dtype, part.numel())
-                for i, part in enumerate(payload)
-            ]
-            for p in range(PIECES):
-                for source, place in zip(sources, places, strict=True):
-                    place[p].copy_(source[p], True)
-                self.written[slot * PIECES + p].record(self.send_stream)
-            sent = self.send_stream.record_event()
-        self._mine[_WRITTEN] = k
+        part = payload[0]
+        part_bytes = part.numel() * part.element_size()
+        result, arriving = self._receiving(kind, x, part)
+        at = [self.rank - (self.rank > r) if kind in _PER_READER else 0 for r in self.peers]
+        writes = [(each, i * part_bytes) for i, each in enumerate(payload)]
+        reads = [(r, i * part_bytes, into) for r, i, into in zip(self.peers, at, arriving)]
+        sent, received = self._issue(part_bytes * len(payload), writes, reads)
         own = parts[self.rank] if kind == "reduce_scatter" else x
         tensors = (own, payload, arriving, result)
-        transfer = StagedTransfer(self, kind, k, buffers, tensors, ready, sent, in_place)
-        self._unread.append(transfer)
-        self._issue_reads(upto=-1)
-        return transfer
+        return StagedTransfer(self, kind, tensors, sent, received, in_place)
 
-    def _issue_reads(self, upto: int) -> None:
-        """Issue the reads of the transfers started so far, in order, as far as the peers
-        have issued their writes; waiting on the host for those of exchanges up to ``upto``."""
-        while self._unread:
-            transfer = self._unread[0]
-            k, slot = transfer.exchange, transfer.exchange % SLOTS
-            if any(self._theirs[r][_WRITTEN] < k for r in self.peers):
-                if k > upto:
-                    return
-                self._spin(_WRITTEN, k)
-            _own, payload, arriving, _result = transfer.tensors
-            part = payload[0]
-            part_bytes = part.numel() * part.element_size()
-            with torch.cuda.stream(self.recv_stream):
-                self.recv_stream.wait_event(transfer.ready)
-                targets = [_pieces(into) for into in arriving]
-                for p in range(PIECES):
-                    for r, target in zip(self.peers, targets, strict=True):
-                        self.recv_stream.wait_event(self._peer_written[r][slot * PIECES + p])
-                        at = self.rank - (self.rank > r) if transfer.kind in _PER_READER else 0
-                        staged = transfer.buffers.pieces(
-                            r, slot, at * part_bytes, part.dtype, part.numel()
-                        )
+    def start_shift(self, sends: list[Tensor], to: int, recvs: list[Tensor], source: int):
+        """Issue a batch of point-to-point messages, every one of them sent to group rank
+        ``to`` or received from ``source`` (a ring's hop): ``sends`` in this rank's slot, one
+        after the other; ``recvs`` (contiguous) filled from ``source``'s slot, whose sends
+        match them in order and size (as NCCL matches a batch's messages). ``finish()``
+        makes the current stream wait and returns ``recvs``."""
+        if self.rank in (to, source):
+            raise ValueError("a staged batch's messages go to and come from other ranks")
+        writes = list(zip(sends, _offsets(sends)))
+        reads = [(source, at, into) for into, at in zip(recvs, _offsets(recvs))]
+        extent = max(_extent(sends), _extent(recvs))
+        sent, received = self._issue(extent, writes, reads)
+        return StagedTransfer(self, "shift", (None, sends, recvs, recvs), sent, received, False)
+
+    def _issue(self, nbytes: int, writes: list, reads: list) -> tuple:
+        """Issue exchange k: ``writes`` ``(tensor, byte offset)`` into this rank's slot,
+        ``reads`` ``(peer, byte offset, tensor)`` from the peers' (module docstring's
+        streams); the events (sent, received) for the compute stream."""
+        buffers = self._reserve(nbytes)
+        k, slot = self._count, self._count % SLOTS
+        self._count += 1
+        mine = self._flags[self.rank]
+        ready = torch.cuda.current_stream(self.device).record_event()  # the payload written,
+        with torch.cuda.stream(self.send_stream):  # what arrives allocated
+            self.send_stream.wait_event(ready)
+            if k >= SLOTS:  # the slot is free once every peer has read exchange k - SLOTS
+                for r in self.peers:
+                    self._flags[r].wait(self.send_stream, _read(slot), k - SLOTS + 1)
+            copies = [
+                (_pieces(t), buffers.pieces(self.rank, slot, at, t.dtype, t.numel()))
+                for t, at in writes
+            ]
+            for p in range(PIECES):
+                for source, place in copies:
+                    place[p].copy_(source[p], True)
+                mine.write(self.send_stream, _written(slot, p), k + 1)
+            sent = self.send_stream.record_event()
+        with torch.cuda.stream(self.recv_stream):
+            self.recv_stream.wait_event(ready)
+            by_peer: dict[int, list] = {}
+            for r, at, t in reads:
+                staged = buffers.pieces(r, slot, at, t.dtype, t.numel())
+                by_peer.setdefault(r, []).append((_pieces(t), staged))
+            for p in range(PIECES):
+                for r, copies in by_peer.items():
+                    self._flags[r].wait(self.recv_stream, _written(slot, p), k + 1)
+                    for target, staged in copies:
                         target[p].copy_(staged[p], True)
-                self.read[slot].record(self.recv_stream)
-                transfer.received = self.recv_stream.record_event()
-            self._mine[_READ] = k
-            self._unread.popleft()
+            mine.write(self.recv_stream, _read(slot), k + 1)
+            received = self.recv_stream.record_event()
+        return sent, received
 
     def _receiving(self, kind: str, x: Tensor, part: Tensor) -> tuple[Tensor | None, list]:
         """(the result when it is what arrives, placed; the tensors each peer's part lands in)."""
@@ -268,14 +233,13 @@ class HostStagedGroup:
             return result, list(result.chunk(self.size - 1))
         return None, list(part.new_empty((len(self.peers), *part.shape)))
 
-    def finish(self, transfer: StagedTransfer) -> Tensor:
+    def finish(self, transfer: StagedTransfer) -> Tensor | list[Tensor]:
         """Make the current stream wait for ``transfer``'s copies; its result."""
-        self._issue_reads(upto=transfer.exchange)
         own, _payload, arriving, result = transfer.tensors
         compute = torch.cuda.current_stream(self.device)
         compute.wait_event(transfer.sent)  # the payload may be freed or written after this
         compute.wait_event(transfer.received)
-        if result is not None:
+        if result is not None:  # placed as it arrived (gathers, a shift's receive buffers)
             return result
         terms = list(arriving)  # the peers' terms, rank order
         if transfer.kind != "reduce_others":  # with this rank's own term
@@ -288,9 +252,52 @@ class HostStagedGroup:
         return own.copy_(total).detach() if transfer.in_place else total
 
 
+def _written(slot: int, piece: int) -> int:
+    """The flag a writer sets to exchange + 1 once that piece of its slot is written."""
+    return slot * PIECES + piece
+
+
+def _read(slot: int) -> int:
+    """The flag a reader sets to exchange + 1 once it has read that slot of every peer."""
+    return SLOTS * PIECES + slot
+
+
+def _offsets(tensors: list[Tensor]) -> list[int]:
+    """Byte offsets of ``tensors`` one after the other in a slot, each page-aligned."""
+    ends = [0]
+    for t in tensors:
+        ends.append(ends[-1] + -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN)
+    return ends[:-1]
+
+
+def _extent(tensors: list[Tensor]) -> int:
+    """Bytes ``tensors`` take in a slot at :func:`_offsets`."""
+    return sum(-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in tensors)
+
+
 def _pieces(t: Tensor) -> tuple[Tensor, ...]:
     """Contiguous ``t``'s elements in ``PIECES`` pieces."""
     return t.view(-1).tensor_split(PIECES)
+
+
+class _SharedPages:
+    """Every rank's shared mapping of ``nbytes`` named by ``tag`` and ``what``, mapped in
+    this process as uint8 tensors (``bytes[rank]``; made collectively over the group)."""
+
+    def __init__(self, owner: HostStagedGroup, tag: str, what: str, nbytes: int) -> None:
+        name = lambda r: f"ds_stpar_{tag}_{r}_{what}"  # noqa: E731
+        self._maps = {owner.rank: _shared(name(owner.rank), nbytes, create=True)}
+        dist.barrier(group=owner.group)
+        for r in owner.peers:
+            self._maps[r] = _shared(name(r), nbytes, create=False)
+        dist.barrier(group=owner.group)
+        os.unlink(f"/dev/shm/{name(owner.rank)}")  # every rank has it mapped: the name can go
+        self.bytes = {r: torch.frombuffer(m, dtype=torch.uint8) for r, m in self._maps.items()}
+
+    def close(self) -> None:
+        self.bytes.clear()
+        for mapped in self._maps.values():
+            mapped.close()
 
 
 class _Buffers:
@@ -299,16 +306,9 @@ class _Buffers:
 
     def __init__(self, owner: HostStagedGroup, tag: str, slot_bytes: int) -> None:
         self.slot_bytes = slot_bytes
-        name = lambda r: f"ds_stpar_{tag}_{r}_buf"  # noqa: E731
-        self._maps = {owner.rank: _shared(name(owner.rank), slot_bytes * SLOTS, create=True)}
-        dist.barrier(group=owner.group)
-        for r in owner.peers:
-            self._maps[r] = _shared(name(r), slot_bytes * SLOTS, create=False)
-        dist.barrier(group=owner.group)
-        os.unlink(f"/dev/shm/{name(owner.rank)}")
-        self._bytes = {r: torch.frombuffer(m, dtype=torch.uint8) for r, m in self._maps.items()}
+        self._pages = _SharedPages(owner, tag, "buf", slot_bytes * SLOTS)
         self._views: dict[tuple, tuple[Tensor, ...]] = {}
-        for raw in self._bytes.values():
+        for raw in self._pages.bytes.values():
             err = torch.cuda.cudart().cudaHostRegister(raw.data_ptr(), raw.numel(), 0)
             if int(err) != 0:
                 raise RuntimeError(f"cudaHostRegister of {raw.numel()} bytes failed: {err}")
@@ -319,32 +319,31 @@ class _Buffers:
         key = (rank, slot, offset, dtype, numel)
         if key not in self._views:
             start = slot * self.slot_bytes + offset
-            raw = self._bytes[rank][start : start + numel * dtype.itemsize]
+            raw = self._pages.bytes[rank][start : start + numel * dtype.itemsize]
             self._views[key] = raw.view(dtype).tensor_split(PIECES)
         return self._views[key]
 
     def close(self) -> None:
-        for raw in self._bytes.values():
+        for raw in self._pages.bytes.values():
             torch.cuda.cudart().cudaHostUnregister(raw.data_ptr())
-        self._bytes.clear()
         self._views.clear()
-        for mapped in self._maps.values():
-            mapped.close()
+        self._pages.close()
 
 
 class StagedTransfer:
-    """A transfer whose writes are issued (its reads as soon as the peers' writes are);
-    :meth:`finish` returns its result on the current stream (it holds its tensors until
-    then)."""
+    """A transfer whose copies are issued; :meth:`finish` returns its result on the current
+    stream (it holds its tensors until then)."""
 
-    def __init__(self, owner, kind, exchange, buffers, tensors, ready, sent, in_place) -> None:
-        self._owner, self.kind, self.exchange = owner, kind, exchange
-        self.buffers, self.tensors = buffers, tensors
-        self.ready, self.sent, self.in_place = ready, sent, in_place
-        self.received = None  # recorded once its reads are issued
+    def __init__(self, owner, kind, tensors, sent, received, in_place) -> None:
+        self._owner, self.kind, self.tensors = owner, kind, tensors
+        self.sent, self.received, self.in_place = sent, received, in_place
 
-    def finish(self) -> Tensor:
+    def finish(self) -> Tensor | list[Tensor]:
         return self._owner.finish(self)
+
+    def wait(self) -> None:
+        """:meth:`finish` under the name :class:`~ds_stpar.layers.comm.PendingP2P` calls."""
+        self._owner.finish(self)
 
 
 _GROUPS: dict[tuple, HostStagedGroup | None] = {}

@@ -68,7 +68,7 @@ import torch
 from torch import Tensor
 
 from ds_stpar.layers.activation import Activation, activation_backward
-from ds_stpar.layers.comm import Group, Message, PendingP2P, ring_pass, start_p2p
+from ds_stpar.layers.comm import Group, Message, PendingP2P, ring_pass, start_ring_hop
 from ds_stpar.layers.norm_recipe import kept, norm_of, recipe_of, remade
 from ds_stpar.layers.ring import column_backward, column_forward, row_forward
 from ds_stpar.layers.wgrad import WeightGrad
@@ -130,7 +130,7 @@ def _accumulate_around_ring(
 
     def start_rotation(step: int) -> PendingP2P:
         sends = [Message(landing[step], left, _ROTATE_TAG)]
-        return start_p2p(sends, [Message(landing[step + 1], right, _ROTATE_TAG)], group)
+        return start_ring_hop(sends, [Message(landing[step + 1], right, _ROTATE_TAG)], group)
 
     rotation = start_rotation(0)
     tail = bounds[-1][0] if len(bounds) > 1 else rows  # own rows left for the end
@@ -150,7 +150,7 @@ def _accumulate_around_ring(
                 inbox[i] = torch.empty_like(partial)
             # The received piece was added (queued before this batch) so its buffer is free.
             tag = _ROTATE_TAG + 1 + i
-            incoming[i] = start_p2p(
+            incoming[i] = start_ring_hop(
                 [Message(partial, left, tag)], [Message(inbox[i], right, tag)], group
             )
     # The last chunk has been used: without ``kept`` its spare goes before the tail's term.

@@ -1,0 +1,93 @@
+"""GPU-side waits for, and writes of, 32-bit flags in page-locked host memory: CUDA's stream
+memory operations (``cuStreamWaitValue32`` / ``cuStreamWriteValue32``) through the driver.
+
+Why. A stream can wait for another process's work through an IPC event only once that
+process's host has recorded the event, so the waiting host must first learn that it has: the
+two hosts move in step. A flag in shared host memory that the writer's stream sets after its
+copy, and that the reader's stream waits for, needs neither host: the reader issues its wait
+whenever it likes and the GPU polls the flag. PyTorch does not expose these operations, so
+they are called through ``libcuda`` with ``ctypes`` on the streams' own handles.
+
+Values are 32-bit and compared cyclically (``GEQ``: ``(int32)(*flag - value) >= 0``), so a
+counter that wraps past 2^32 still compares right while the values it is compared against
+stay within 2^31 of it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+_WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ, cyclic
+_WRITE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: earlier writes of the stream land first
+_REGISTER_PORTABLE_MAPPED = 0x3  # cudaHostRegisterPortable | cudaHostRegisterMapped
+
+
+@functools.cache
+def _driver() -> ctypes.CDLL:
+    driver = ctypes.CDLL("libcuda.so.1")
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    for name, args in (
+        ("cuStreamWaitValue32_v2", [ctypes.c_void_p, u64, u32, ctypes.c_uint]),
+        ("cuStreamWriteValue32_v2", [ctypes.c_void_p, u64, u32, ctypes.c_uint]),
+        ("cuMemHostGetDevicePointer_v2", [ctypes.POINTER(u64), ctypes.c_void_p, ctypes.c_uint]),
+    ):
+        getattr(driver, name).argtypes = args
+        getattr(driver, name).restype = ctypes.c_int
+    return driver
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        raise RuntimeError(f"{what} failed: CUresult {result}")
+
+
+class HostFlags:
+    """``count`` 32-bit flags at the start of ``page`` (a page-locked, shared host mapping
+    of at least ``4 * count`` bytes, viewed as a uint8 tensor), registered for the current
+    device's streams; zero until a stream writes them."""
+
+    def __init__(self, page: torch.Tensor, count: int) -> None:
+        if page.numel() < 4 * count:
+            raise ValueError(f"{count} flags need {4 * count} bytes, the page has {page.numel()}")
+        self._page = page
+        err = torch.cuda.cudart().cudaHostRegister(
+            page.data_ptr(), page.numel(), _REGISTER_PORTABLE_MAPPED
+        )
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of the flags' page failed: {err}")
+        address = ctypes.c_uint64()
+        _check(
+            _driver().cuMemHostGetDevicePointer_v2(ctypes.byref(address), page.data_ptr(), 0),
+            "cuMemHostGetDevicePointer",
+        )
+        self._base, self.count = address.value, count
+
+    def _at(self, index: int) -> int:
+        if not 0 <= index < self.count:
+            raise IndexError(f"flag {index} of {self.count}")
+        return self._base + 4 * index
+
+    def wait(self, stream: torch.cuda.Stream, index: int, value: int) -> None:
+        """``stream``'s later work waits until flag ``index`` reaches ``value`` (cyclic)."""
+        _check(
+            _driver().cuStreamWaitValue32_v2(
+                stream.cuda_stream, self._at(index), value & 0xFFFFFFFF, _WAIT_GEQ
+            ),
+            "cuStreamWaitValue32",
+        )
+
+    def write(self, stream: torch.cuda.Stream, index: int, value: int) -> None:
+        """``stream`` sets flag ``index`` to ``value`` once its earlier work is done and its
+        writes are visible."""
+        _check(
+            _driver().cuStreamWriteValue32_v2(
+                stream.cuda_stream, self._at(index), value & 0xFFFFFFFF, _WRITE_DEFAULT
+            ),
+            "cuStreamWriteValue32",
+        )
+
+    def close(self) -> None:
+        torch.cuda.cudart().cudaHostUnregister(self._page.data_ptr())
