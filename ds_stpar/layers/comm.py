@@ -22,7 +22,10 @@ reused) to the card's capacity, where it frees its cache and retries, a device-w
 run 16-20% slow (BENCHMARKS.md, twelfth and thirteenth sessions). On CPU the same code runs
 minus the streams (gloo progresses the transfer on its own threads). Within one host with
 peer links, :func:`ring_pass`'s hops go by the copy engines instead
-(:mod:`ds_stpar.layers.symmetric`); the other patterns keep :func:`start_p2p`.
+(:mod:`ds_stpar.layers.symmetric`); without peer links the ring layers' hops
+(:func:`start_ring_hop`: :func:`ring_pass`'s and the fused ring MLP's) go by the copy
+engines through shared host memory where the group's transport says so
+(:mod:`ds_stpar.layers.host_staged`); the other patterns keep :func:`start_p2p`.
 
 Schedules (no autograd, used by the layer algorithms in ``ring.py``):
 
