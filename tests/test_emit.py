@@ -661,9 +661,23 @@ def test_transfers_by_the_copy_engines_are_priced_but_not_written_for_megatron_l
         env = dict(line.split("=", 1) for line in text.splitlines() if line[:1].isupper())
         assert env["DS_STPAR_TRANSFER_TRANSPORT"] == "nccl", text
         assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1", text
-    # what picks them: the interleaved layer only, its TP group in a node, the setting
+    # the ring layers' hops (the fused ring MLP's) go the same way: priced as staged, faster
+    # than NCCL's hops, and refused for Megatron-LM alike
+    ring = Strategy(Layout(1, 2, 1, "ring"), micro_batch=4, sequence_parallel=True)
+    ring_staged = estimate(model, no_peers, train, ring, auto)
+    assert ring_staged.ring_hops == "host-staged" and ring_staged.transfers == ""
+    ring_nccl = estimate(model, no_peers, train, ring, default)
+    assert ring_nccl.ring_hops == "nccl"
+    assert ring_staged.step_time_s < ring_nccl.step_time_s
+    with pytest.raises(ConfigError, match="CUDA_DEVICE_MAX_CONNECTIONS"):
+        emit.megatron_args_text(model, no_peers, train, ring, prediction=ring_staged)
+    # what picks them: a ring layout, its TP group in a node, the setting (Megatron's and
+    # Cannon's layouts keep NCCL's)
     megatron = Strategy(Layout(1, 2, 1), micro_batch=4, sequence_parallel=True)
     assert not staged_transfers(megatron, no_peers, "host-staged")
+    cannon = Strategy(Layout(1, 4, 1, "cannon"), micro_batch=4, sequence_parallel=True)
+    assert not staged_transfers(cannon, ClusterSpec(H100, 4, 4), "host-staged")
+    assert staged_transfers(ring, no_peers, "auto")
     assert staged_transfers(interleaved, peers, "host-staged")
     assert not staged_transfers(interleaved, no_peers, "nccl")
     across = ClusterSpec(H100, 4, 1, profile=Profile("h100-80g", peer_copies=False))

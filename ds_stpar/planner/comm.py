@@ -118,16 +118,18 @@ def ring_copy_engines(layout: Layout, cluster: ClusterSpec, transport: str) -> b
 
 
 def staged_transfers(strategy: Strategy, cluster: ClusterSpec, transport: str) -> bool:
-    """Whether the GPUs' copy engines carry the interleaved layer's transfers through host
-    memory, as ``transport`` (``DS_STPAR_TRANSFER_TRANSPORT``) picks them on the machines
-    (``layers/host_staged.py``): only for a strategy that runs the interleaved layer with its
-    TP group inside a node; ``host-staged`` always there, ``nccl`` never, ``auto`` where the
-    node's GPUs do not reach each other's memory (the profile's ``peer_copies``; nodes
-    without a profile are taken to). The emitted environment then allows more than one
-    hardware queue, which the transport needs."""
-    if not strategy.runs_interleaved or transport == "nccl":
+    """Whether the GPUs' copy engines carry the ring layouts' transfers through host memory
+    (the interleaved layer's, and the ring layers' hops: the fused ring MLP's, the ring
+    linears'), as ``transport`` (``DS_STPAR_TRANSFER_TRANSPORT``) picks them on the machines
+    (``layers/host_staged.py``, ``layers/comm.start_ring_hop``): only for a ring layout over
+    more than one GPU with its TP group inside a node; ``host-staged`` always there,
+    ``nccl`` never, ``auto`` where the node's GPUs do not reach each other's memory (the
+    profile's ``peer_copies``; nodes without a profile are taken to). The emitted
+    environment then allows more than one hardware queue, which the transport needs."""
+    layout = strategy.layout
+    if layout.tp < 2 or layout.tp_mode != "ring" or transport == "nccl":
         return False
-    if not tp_in_node(strategy.layout, cluster):
+    if not tp_in_node(layout, cluster):
         return False
     peer = cluster.profile.peer_copies if cluster.profile is not None else True
     return transport == "host-staged" or not peer

@@ -50,7 +50,14 @@ from ds_stpar.config import (
 )
 from ds_stpar.errors import ConfigError
 from ds_stpar.planner import memory as mem
-from ds_stpar.planner.comm import Placement, placement, ring_copy_engines, staged_transfers
+from ds_stpar.planner.comm import (
+    GB,
+    Link,
+    Placement,
+    placement,
+    ring_copy_engines,
+    staged_transfers,
+)
 from ds_stpar.planner.compute import (
     Phase,
     Speed,
@@ -149,9 +156,10 @@ class Estimate:
     ``tp_collectives_s``: raw seconds per step of each TP collective kind on the first stage's
     blocks (all_reduce / all_gather / reduce_scatter / p2p / all_to_all), before any overlap.
     ``ring_hops``: what the estimate takes to carry the ring linears' or Cannon's neighbour
-    hops, ``"copy engines"`` or ``"nccl"`` (:func:`~ds_stpar.planner.comm.ring_copy_engines`;
-    a fused ring MLP's partial sums go by NCCL either way; the interleaved layer and
-    Megatron's layouts have none: ``""``). ``transfers``: what the estimate takes to carry the
+    hops, ``"copy engines"`` (peer links, :func:`~ds_stpar.planner.comm.ring_copy_engines`;
+    a fused ring MLP's hops go by NCCL there), ``"host-staged"`` (the copy engines through
+    host memory, every ring hop, :func:`~ds_stpar.planner.comm.staged_transfers`) or
+    ``"nccl"``; the interleaved layer and Megatron's layouts have none: ``""``. ``transfers``: what the estimate takes to carry the
     interleaved layer's transfers, ``"host-staged"`` (the copy engines through host memory,
     :func:`~ds_stpar.planner.comm.staged_transfers`, priced as hiding wholly behind the
     GEMMs they run beside) or ``"nccl"``; ``""`` where the layer does not run.
@@ -251,8 +259,12 @@ class _Context:
         self.two_pass_mlp = strategy.runs_ring_two_pass_mlp(model)
         #: pieces of the interleaved layer (layers/interleave.py), 0 when it does not run
         self.interleave = strategy.interleave if strategy.runs_interleaved else 0
-        #: its transfers go by the copy engines through host memory (layers/host_staged.py)
+        #: the ring layouts' transfers and hops go by the copy engines through host memory
+        #: (layers/host_staged.py)
         self.staged = staged_transfers(strategy, ev.cluster, ev.cal.transfer_transport)
+        if self.staged and ev.cal.staged_link_gbs:  # the copy engines' rate, not NCCL's
+            staged_link = Link(self.t, ev.cal.staged_link_gbs * GB, self.links.tp_p2p.alpha)
+            self.links = dataclasses.replace(self.links, tp=staged_link, tp_p2p=staged_link)
         #: interleaved layers that hand their pieces on in one block: a model chunk's, the
         #: smallest stage's with uneven stages (not under full recompute, whose layer
         #: checkpoints take plain tensors)
@@ -310,10 +322,10 @@ def block_tp(ctx: _Context) -> BlockTP:
             t,
             ctx.links.tp_p2p,
             speed,
-            cal.ring_overlap(ctx.copy_engines),
+            cal.ring_overlap(ctx.copy_engines or ctx.staged),
             ctx.fused_mlp,
             ctx.two_pass_mlp,
-            mlp_overlap=cal.ring_hop_overlap,
+            mlp_overlap=cal.ring_overlap(ctx.staged),  # the fused pass: NCCL's or staged
         )
     if ctx.mode == "cannon":
         return cannon_block(model, ctx.tokens, t, ctx.links.tp_p2p, speed, cal.ring_hop_overlap)
@@ -878,7 +890,7 @@ class Evaluator:
 def ring_hops(ctx: _Context) -> str:
     """What carries the layout's neighbour hops (:attr:`Estimate.ring_hops`)."""
     if ctx.mode == "ring" and not ctx.interleave:
-        return "copy engines" if ctx.copy_engines else "nccl"
+        return "copy engines" if ctx.copy_engines else "host-staged" if ctx.staged else "nccl"
     return "nccl" if ctx.mode == "cannon" else ""
 
 

@@ -493,10 +493,10 @@ def megatron_args_text(
     if train.optimizer == "adam":
         lines.append("# Megatron-LM's adam is AdamW (decoupled weight decay)")
     env = megatron_env(train, strategy)
-    if prediction is not None and prediction.transfers == "host-staged":
+    if prediction is not None and "host-staged" in (prediction.transfers, prediction.ring_hops):
         raise ConfigError(
-            "the prediction prices the interleaved layer's transfers by the copy engines "
-            "through host memory (calibration transfer_transport), which need "
+            "the prediction prices the ring layout's transfers by the copy engines through "
+            "host memory (calibration transfer_transport), which need "
             "CUDA_DEVICE_MAX_CONNECTIONS above 1; Megatron-LM asserts it is 1 with tensor "
             "parallelism: estimate the Megatron-LM run with transfer_transport nccl"
         )
@@ -869,7 +869,11 @@ def hops_note(est: Estimate) -> str:
     transport it assumed, which ``DS_STPAR_RING_TRANSPORT`` on the GPUs must leave it; for
     the interleaved layer, what it took to carry its transfers
     (``DS_STPAR_TRANSFER_TRANSPORT``)."""
-    names = {"nccl": "NCCL", "copy engines": "the copy engines"}
+    names = {
+        "nccl": "NCCL",
+        "copy engines": "the copy engines",
+        "host-staged": "the copy engines through host memory",
+    }
     if est.transfers:
         staged = est.transfers == "host-staged"
         return ", transfers by " + ("the copy engines through host memory" if staged else "NCCL")

@@ -107,13 +107,16 @@ class Calibration:
     ``DS_STPAR_RING_TRANSPORT`` says on the GPUs: ``auto`` lets the copy engines carry the
     ring linears' hops for a TP group in one node whose GPUs reach each other's memory,
     :attr:`Profile.peer_copies`; ``nccl`` and ``symmetric-memory`` force either; the fused
-    ring MLP's and Cannon's hops stay NCCL's), ``transfer_transport`` (how the interleaved layer's transfers
-    run, ``DS_STPAR_TRANSFER_TRANSPORT``: ``nccl``, the default, as Megatron-LM runs them,
-    whose ``pretrain_gpt.py`` asserts ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with TP, under which
-    the layer keeps NCCL's; ``auto`` prices the copy engines through host memory
+    ring MLP's and Cannon's hops stay NCCL's), ``transfer_transport`` (how the ring layouts'
+    transfers run, the interleaved layer's and, without peer links, the ring layers' hops,
+    ``DS_STPAR_TRANSFER_TRANSPORT``: ``nccl``, the default, as Megatron-LM runs them, whose
+    ``pretrain_gpt.py`` asserts ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with TP, under which the
+    layers keep NCCL's; ``auto`` prices the copy engines through host memory
     (``layers/host_staged.py``) for a TP group in one node whose GPUs do not reach each
     other's memory, as a megatron-core model run in-process with more hardware queues takes
-    them; ``host-staged`` forces them).
+    them, the hops hidden as the copy engines' are; ``host-staged`` forces them),
+    ``staged_link_gbs`` (the staged transfers' rate as the TP link's bus bandwidth, GB/s; 0:
+    the profile's NCCL rate).
     """
 
     gemm_peak_fraction: float = 0.8
@@ -141,6 +144,7 @@ class Calibration:
     ring_mlp_pass_s: float = 0.0
     ring_transport: str = "auto"
     transfer_transport: str = "nccl"
+    staged_link_gbs: float = 0.0
 
     def __post_init__(self) -> None:
         if self.stack not in STACKS:
@@ -177,6 +181,10 @@ class Calibration:
             value = getattr(self, name)
             if not 0 <= value <= 1:
                 raise ConfigError(f"calibration {name} must be in [0, 1], got {value}")
+        if self.staged_link_gbs < 0:
+            raise ConfigError(
+                f"calibration staged_link_gbs must be >= 0, got {self.staged_link_gbs}"
+            )
         if self.gemm_half_dim < 0 or self.runtime_reserved_gib < 0:
             raise ConfigError("calibration gemm_half_dim and runtime_reserved_gib must be >= 0")
         if self.grad_bytes not in (2, 4):
