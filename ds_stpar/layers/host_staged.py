@@ -81,7 +81,8 @@ from ds_stpar.layers.stream_flags import HostFlags
 
 SLOTS = 8  # transfers in flight before a slot is written again
 PIECES = 4  # each copy in pieces, a reader's H2D of one beside the writer's D2H of the next
-# (4 against 2 on 2 x H200: the fused ring MLP 2.5% faster at h 8192 / 8K, call 210)
+# (4 against 2 on 2 x H200, call 210: the fused ring MLP 2.5% faster at h 8192 / 8K, 6-8% at
+# h 4096; the interleaved layer within 1% at h 8192, 3% faster at h 4096 / 16K)
 _ALIGN = 4096  # bytes: slot sizes, so that any dtype's view of a slot is aligned
 _FLAGS = SLOTS * PIECES + SLOTS  # a rank's flags: each piece of each slot written, each slot read
 KINDS = ("gather", "reduce_scatter", "all_reduce", "gather_others", "reduce_others")
