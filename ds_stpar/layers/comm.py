@@ -237,8 +237,15 @@ def start_ring_hop(sends: Sequence[Message], recvs: Sequence[Message], group: Gr
     staged = staged_group(group, device) if device.type == "cuda" else None
     if staged is None:
         return start_p2p(sends, recvs, group)
-    (to,), (source,) = {m.peer for m in sends}, {m.peer for m in recvs}
+    to, source = {m.peer for m in sends}, {m.peer for m in recvs}
+    if len(to) != 1 or len(source) != 1:
+        raise ValueError(
+            f"a ring's hop sends to one rank and receives from one, got {to} and {source}"
+        )
+    (to,), (source,) = to, source
     received = [msg.tensor for msg in recvs]
+    if not all(t.is_contiguous() for t in received):
+        raise ValueError("P2P buffers must be contiguous")
     transfer = staged.start_shift([m.tensor.contiguous() for m in sends], to, received, source)
     _bound_in_flight(torch.cuda.current_stream(device))
     return PendingP2P([transfer], received, None)

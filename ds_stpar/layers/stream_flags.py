@@ -52,7 +52,7 @@ class HostFlags:
     def __init__(self, page: torch.Tensor, count: int) -> None:
         if page.numel() < 4 * count:
             raise ValueError(f"{count} flags need {4 * count} bytes, the page has {page.numel()}")
-        self._page = page
+        self._page = page  # registered: kept mapped while the flags live
         err = torch.cuda.cudart().cudaHostRegister(
             page.data_ptr(), page.numel(), _REGISTER_PORTABLE_MAPPED
         )
@@ -88,6 +88,3 @@ class HostFlags:
             ),
             "cuStreamWriteValue32",
         )
-
-    def close(self) -> None:
-        torch.cuda.cudart().cudaHostUnregister(self._page.data_ptr())
