@@ -293,7 +293,9 @@ class Row:
     times_ms: list[float] = field(default_factory=list)
     memory_trace: dict | None = None  # --memory-trace: rank 0's peak by source line
     # ring variants' hops: "copy engines" (peer links, ds_stpar/layers/symmetric.py),
-    # "host-staged" (through host memory, ds_stpar/layers/host_staged.py) or "nccl"
+    # "host-staged" (through host memory, ds_stpar/layers/host_staged.py), both (forced
+    # host-staged with peer links: ring_pass's hops the former, the fused MLP's the latter)
+    # or "nccl"
     ring_transport: str | None = None
 
 
@@ -1023,7 +1025,8 @@ def time_variant(variant: str, case: Case, rt: Runtime, async_name, full) -> Row
             held = workspace_bytes(rt.device)
             peak += held
             staged = staged_group(rt.tp_group, rt.device) is not None
-            row.ring_transport = "copy engines" if held else "host-staged" if staged else "nccl"
+            used = [name for name, on in (("copy engines", held), ("host-staged", staged)) if on]
+            row.ring_transport = ", ".join(used) or "nccl"  # both: ring_pass's / the fused MLP's
         block = case.name.replace(" ", "")  # "layer", "layerx4", "mlp"
         name = f"{block}-{case.hidden}-{case.tokens}-{variant}-rank-{rt.rank}.json.gz"
         if rt.trace_dir:

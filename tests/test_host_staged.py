@@ -1,5 +1,5 @@
-"""The interleaved layer's transfers staged through shared host memory by the copy engines
-(``layers/host_staged.py``), against NCCL's collectives of the same tensors.
+"""The interleaved layer's transfers and the ring layers' hops staged through shared host
+memory by the copy engines (``layers/host_staged.py``), against NCCL's of the same tensors.
 
 On two GPUs each rank runs every pattern of ``async_comm`` (gather, reduce-scatter,
 all-reduce and its in-place form, the others' rows both ways) through its start / finish
@@ -12,9 +12,11 @@ commutative (the others' sums are NCCL's reduce-scatter with a zero own term, x 
 The four settings on two GPUs: ``host-staged`` and ``auto`` under ``NCCL_P2P_DISABLE=1``
 stage, ``auto`` with peer access and ``nccl`` keep NCCL's (the same results either way). More
 transfers than slots in flight at once, with no synchronisation between them, finished in
-reverse. On the CPU: which groups stage (every rank's host, device and hardware queues, peer
-access), ranks set differently refused (not left waiting for each other), gloo groups keep
-their collectives whatever the setting, unknown settings and a single hardware queue refused.
+reverse. The ring layers' hops (``comm.start_ring_hop``): the fused ring MLP and a
+``ring_pass`` staged and through NCCL, bit for bit. On the CPU: which groups stage (every
+rank's host, device and hardware queues, peer access), ranks set differently refused (not
+left waiting for each other), gloo groups keep their collectives whatever the setting,
+unknown settings and a single hardware queue refused.
 """
 
 from __future__ import annotations
@@ -160,6 +162,7 @@ def _ring_worker(rank: int, world_size: int) -> None:
     from ds_stpar.layers.ring_mlp import ring_mlp
 
     device = torch.device("cuda", rank)
+    os.environ["DS_STPAR_RING_TRANSPORT"] = "nccl"  # peer links must not take ring_pass's hops
     groups = {}
     for transport in ("nccl", "host-staged"):  # each group's transport: set at its first use
         os.environ["DS_STPAR_TRANSFER_TRANSPORT"] = transport

@@ -8,7 +8,9 @@ the process group holding the buffers. The same checks run on both: gloo on the 
 and NCCL on two GPUs (``gpu``: skipped where there are fewer, ``DS_STPAR_RING_TRANSPORT=nccl``);
 on the GPUs once more with ``symmetric-memory`` (``ring_pass``'s hops pushed into the
 neighbour's symmetric memory, the arrivals views of it), and with ``auto``, which must take the
-copy engines on two peer-linked GPUs and NCCL under ``NCCL_P2P_DISABLE=1``. Each rank runs the ring column
+copy engines on two peer-linked GPUs and not under ``NCCL_P2P_DISABLE=1`` (where the hops go
+by NCCL, or, with ``CUDA_DEVICE_MAX_CONNECTIONS`` above 1, staged through host memory:
+``comm.start_ring_hop``). Each rank runs the ring column
 and row linears and the two-pass and fused MLPs (each with its activation a plain callable,
 and the closed form that writes dA over A) forward and backward 12 times (more batches than the
 in-flight bound of 8, so the bound's host waits run too) and compares output, input gradient

@@ -1,6 +1,6 @@
 """Point-to-point communication patterns of the spatial-temporal layers.
 
-Every pattern is built from one primitive, :func:`start_p2p`: a batch of ``isend``/``irecv``
+Every pattern is built on one primitive, :func:`start_p2p`: a batch of ``isend``/``irecv``
 that returns at once and is completed by :meth:`PendingP2P.wait` (:func:`ring_pass`'s batches
 may go by the copy engines instead, below). It runs on gloo (CPU tests)
 and NCCL alike. Peers are *group* ranks, so a TP group smaller than the world (or strided
@@ -229,24 +229,24 @@ def start_p2p(sends: Sequence[Message], recvs: Sequence[Message], group: Group) 
 def start_ring_hop(sends: Sequence[Message], recvs: Sequence[Message], group: Group) -> PendingP2P:
     """:func:`start_p2p` for a ring's hop, which every rank of ``group`` issues at the same
     point: each rank's ``sends`` go to one neighbour and its ``recvs`` come from the other,
-    matching that neighbour's sends in order and size. Where the group's transfers stage
-    through host memory (:mod:`ds_stpar.layers.host_staged`: GPUs of one host without peer
-    access) the copy engines move the hop, sparing the SMs NCCL's kernels would take beside
-    the GEMMs it hides behind; elsewhere :func:`start_p2p`."""
-    device = (sends or recvs)[0].tensor.device
-    staged = staged_group(group, device) if device.type == "cuda" else None
-    if staged is None:
-        return start_p2p(sends, recvs, group)
+    matching that neighbour's sends in order and size (the same sizes on every rank, as a
+    ring's chunks are). Where the group's transfers stage through host memory
+    (:mod:`ds_stpar.layers.host_staged`: GPUs of one host without peer access) the copy
+    engines move the hop, sparing the SMs NCCL's kernels would take beside the GEMMs it hides
+    behind; elsewhere :func:`start_p2p`. The hop is checked the same way on either path."""
     to, source = {m.peer for m in sends}, {m.peer for m in recvs}
     if len(to) != 1 or len(source) != 1:
         raise ValueError(
             f"a ring's hop sends to one rank and receives from one, got {to} and {source}"
         )
-    (to,), (source,) = to, source
-    received = [msg.tensor for msg in recvs]
-    if not all(t.is_contiguous() for t in received):
+    if not all(m.tensor.is_contiguous() for m in (*sends, *recvs)):
         raise ValueError("P2P buffers must be contiguous")
-    transfer = staged.start_shift([m.tensor.contiguous() for m in sends], to, received, source)
+    device = sends[0].tensor.device
+    staged = staged_group(group, device) if device.type == "cuda" else None
+    if staged is None:
+        return start_p2p(sends, recvs, group)
+    received = [msg.tensor for msg in recvs]
+    transfer = staged.start_shift([m.tensor for m in sends], *to, received, *source)
     _bound_in_flight(torch.cuda.current_stream(device))
     return PendingP2P([transfer], received, None)
 
@@ -280,9 +280,10 @@ def ring_pass(
     less). At step t it is called for m = (d+t+1) % P (while the previous hop is in flight),
     the partial sum received from d+1 is added, and the result goes to d-1; the last step
     yields the complete sum for chunk d, which is returned. One batch per step carries both
-    streams: :func:`start_p2p`'s, or, on GPUs with peer links (``DS_STPAR_RING_TRANSPORT``),
-    the copy engines' (:mod:`ds_stpar.layers.symmetric`, whose arrivals are views of its
-    buffer: no receive buffers here).
+    streams: :func:`start_ring_hop`'s (NCCL's, or without peer links the copy engines'
+    through host memory), or, on GPUs with peer links (``DS_STPAR_RING_TRANSPORT``), the copy
+    engines' (:mod:`ds_stpar.layers.symmetric`, whose arrivals are views of its buffer: no
+    receive buffers here).
     """
     size, me = group.size(), group.rank()
     left, right = (me - 1) % size, (me + 1) % size

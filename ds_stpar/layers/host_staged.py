@@ -3,7 +3,8 @@ by the copy engines: no SMs.
 
 Why. Where a host's GPUs cannot reach each other's memory (a PCIe box without peer access,
 or ``NCCL_P2P_DISABLE=1``), NCCL moves data through host memory with kernels on the SMs, and
-those kernels slow the GEMMs the interleaved layer hides its transfers behind: a 64 MiB
+those kernels slow the GEMMs the interleaved layer hides its transfers behind (and the ring
+layers their hops, which stage here too: ``comm.start_ring_hop``): a 64 MiB
 gather beside four 8192^3 GEMMs added 0.96 ms to them through NCCL and 0.10 ms staged by the
 copy engines (2 x H200, twenty-fourth session, call 138). That session's transport issued a
 reader's copies when the caller finished the transfer, so each transfer ran store and
@@ -40,8 +41,10 @@ writer's device-to-host copy of the next; every rank's flags count exchanges + 1
     finish          the compute stream waits for both; adds or places what arrived
 
 The host views of the slots are made once per buffer and kept. A rank that never writes
-(gone, or starting different transfers) leaves its peers' receive streams waiting, as an
-NCCL collective would; the launcher (torchrun) ends the job when a rank dies.
+(gone) leaves its peers' receive streams waiting with no timeout, as an NCCL collective
+without its watchdog would; the launcher (torchrun) ends the job when a rank dies. Ranks
+that start different transfers are not detected: they read each other's bytes, or wait at a
+buffer's growth, as NCCL's collectives issued in different orders would mismatch.
 
 Patterns, ``x`` as the caller passes it, P ranks, this rank d (``async_comm``'s):
 
@@ -52,6 +55,9 @@ Patterns, ``x`` as the caller passes it, P ranks, this rank d (``async_comm``'s)
 - ``gather_others``: chunk d -> the other ranks' chunks ``[(P-1) n, ...]`` in rank order.
 - ``reduce_others``: terms for the other ranks' chunks ``[(P-1) n, ...]`` (rank order) ->
   the sum of the other ranks' terms for chunk d ``[n, ...]``.
+- a ring's hop (:meth:`HostStagedGroup.start_shift`, ``comm.start_ring_hop``): this rank's
+  messages to one neighbour, one after the other in its slot -> the other neighbour's, into
+  the caller's receive buffers.
 
 Which transport: ``DS_STPAR_TRANSFER_TRANSPORT`` = ``auto`` (default), ``nccl`` or
 ``host-staged``, the same on every rank (a group whose ranks differ is refused;
@@ -82,7 +88,8 @@ from ds_stpar.layers.stream_flags import HostFlags
 SLOTS = 8  # transfers in flight before a slot is written again
 PIECES = 4  # each copy in pieces, a reader's H2D of one beside the writer's D2H of the next
 # (4 against 2 on 2 x H200, call 210: the fused ring MLP 2.5% faster at h 8192 / 8K, 6-8% at
-# h 4096; the interleaved layer within 1% at h 8192, 3% faster at h 4096 / 16K)
+# h 4096; the interleaved layer within 1% at h 8192, 3% faster at h 4096 / 16K, 15% slower
+# at h 4096 / 8K, where the host sets the pace and its runs spread)
 _ALIGN = 4096  # bytes: slot sizes, so that any dtype's view of a slot is aligned
 _FLAGS = SLOTS * PIECES + SLOTS  # a rank's flags: each piece of each slot written, each slot read
 KINDS = ("gather", "reduce_scatter", "all_reduce", "gather_others", "reduce_others")
@@ -171,11 +178,14 @@ class HostStagedGroup:
         tensors = (own, payload, arriving, result)
         return StagedTransfer(self, kind, tensors, sent, received, in_place)
 
-    def start_shift(self, sends: list[Tensor], to: int, recvs: list[Tensor], source: int):
+    def start_shift(
+        self, sends: list[Tensor], to: int, recvs: list[Tensor], source: int
+    ) -> StagedTransfer:
         """Issue a batch of point-to-point messages, every one of them sent to group rank
         ``to`` or received from ``source`` (a ring's hop): ``sends`` in this rank's slot, one
         after the other; ``recvs`` (contiguous) filled from ``source``'s slot, whose sends
-        match them in order and size (as NCCL matches a batch's messages). ``finish()``
+        match them in order and size (as NCCL matches a batch's messages), the same sizes on
+        every rank (so that every rank grows its buffers at the same hop). ``finish()``
         makes the current stream wait and returns ``recvs``."""
         if self.rank in (to, source):
             raise ValueError("a staged batch's messages go to and come from other ranks")
@@ -185,7 +195,9 @@ class HostStagedGroup:
         sent, received = self._issue(extent, writes, reads)
         return StagedTransfer(self, "shift", (None, sends, recvs, recvs), sent, received, False)
 
-    def _issue(self, nbytes: int, writes: list, reads: list) -> tuple:
+    def _issue(
+        self, nbytes: int, writes: list[tuple[Tensor, int]], reads: list[tuple[int, int, Tensor]]
+    ) -> tuple[torch.cuda.Event, torch.cuda.Event]:
         """Issue exchange k: ``writes`` ``(tensor, byte offset)`` into this rank's slot,
         ``reads`` ``(peer, byte offset, tensor)`` from the peers' (module docstring's
         streams); the events (sent, received) for the compute stream."""
@@ -336,7 +348,15 @@ class StagedTransfer:
     """A transfer whose copies are issued; :meth:`finish` returns its result on the current
     stream (it holds its tensors until then)."""
 
-    def __init__(self, owner, kind, tensors, sent, received, in_place) -> None:
+    def __init__(
+        self,
+        owner: HostStagedGroup,
+        kind: str,
+        tensors: tuple,
+        sent: torch.cuda.Event,
+        received: torch.cuda.Event,
+        in_place: bool,
+    ) -> None:
         self._owner, self.kind, self.tensors = owner, kind, tensors
         self.sent, self.received, self.in_place = sent, received, in_place
 

@@ -45,9 +45,9 @@ def _check(result: int, what: str) -> None:
 
 
 class HostFlags:
-    """``count`` 32-bit flags at the start of ``page`` (a page-locked, shared host mapping
-    of at least ``4 * count`` bytes, viewed as a uint8 tensor), registered for the current
-    device's streams; zero until a stream writes them."""
+    """``count`` 32-bit flags at the start of ``page`` (a shared host mapping of at least
+    ``4 * count`` bytes, viewed as a uint8 tensor), which this page-locks and registers for
+    the current device's streams; zero until a stream writes them."""
 
     def __init__(self, page: torch.Tensor, count: int) -> None:
         if page.numel() < 4 * count:

@@ -159,8 +159,9 @@ class Estimate:
     hops, ``"copy engines"`` (peer links, :func:`~ds_stpar.planner.comm.ring_copy_engines`;
     a fused ring MLP's hops go by NCCL there), ``"host-staged"`` (the copy engines through
     host memory, every ring hop, :func:`~ds_stpar.planner.comm.staged_transfers`) or
-    ``"nccl"``; the interleaved layer and Megatron's layouts have none: ``""``. ``transfers``: what the estimate takes to carry the
-    interleaved layer's transfers, ``"host-staged"`` (the copy engines through host memory,
+    ``"nccl"``; the interleaved layer and Megatron's layouts have none: ``""``.
+    ``transfers``: what the estimate takes to carry the interleaved layer's transfers,
+    ``"host-staged"`` (the copy engines through host memory,
     :func:`~ds_stpar.planner.comm.staged_transfers`, priced as hiding wholly behind the
     GEMMs they run beside) or ``"nccl"``; ``""`` where the layer does not run.
     """
@@ -262,9 +263,10 @@ class _Context:
         #: the ring layouts' transfers and hops go by the copy engines through host memory
         #: (layers/host_staged.py)
         self.staged = staged_transfers(strategy, ev.cluster, ev.cal.transfer_transport)
-        if self.staged and ev.cal.staged_link_gbs:  # the copy engines' rate, not NCCL's
-            staged_link = Link(self.t, ev.cal.staged_link_gbs * GB, self.links.tp_p2p.alpha)
-            self.links = dataclasses.replace(self.links, tp=staged_link, tp_p2p=staged_link)
+        #: what a staged transfer crosses: the calibration's staged rate where it has one
+        self.staged_link = self.links.tp_p2p
+        if self.staged and ev.cal.staged_link_gbs:
+            self.staged_link = Link(self.t, ev.cal.staged_link_gbs * GB, self.links.tp_p2p.alpha)
         #: interleaved layers that hand their pieces on in one block: a model chunk's, the
         #: smallest stage's with uneven stages (not under full recompute, whose layer
         #: checkpoints take plain tensors)
@@ -316,16 +318,19 @@ def virtual_stages(model: ModelSpec, strategy: Strategy) -> int:
 def block_tp(ctx: _Context) -> BlockTP:
     model, t, speed, cal = ctx.model, ctx.t, ctx.speed, ctx.cal
     if ctx.mode == "ring":
+        linears = ring_linear_hops(ctx)
+        mlp_link, mlp_overlap = fused_mlp_hops(ctx)
         return ring_block(
             model,
             ctx.tokens,
             t,
-            ctx.links.tp_p2p,
+            linears[0],
             speed,
-            cal.ring_overlap(ctx.copy_engines or ctx.staged),
+            linears[1],
             ctx.fused_mlp,
             ctx.two_pass_mlp,
-            mlp_overlap=cal.ring_overlap(ctx.staged),  # the fused pass: NCCL's or staged
+            mlp_overlap=mlp_overlap,
+            mlp_link=mlp_link,
         )
     if ctx.mode == "cannon":
         return cannon_block(model, ctx.tokens, t, ctx.links.tp_p2p, speed, cal.ring_hop_overlap)
@@ -339,6 +344,25 @@ def block_tp(ctx: _Context) -> BlockTP:
         cal.tp_async_backward,
         cal.overlap_fraction,
     )
+
+
+def ring_linear_hops(ctx: _Context) -> tuple[Link, float]:
+    """(link, hidden share) of the ring linears' hops (``comm.ring_pass``): the copy engines
+    over peer links (``layers/symmetric.py``), else staged through host memory where the
+    transport stages (``layers/host_staged.py``), else NCCL's."""
+    if ctx.copy_engines:
+        return ctx.links.tp_p2p, ctx.cal.ring_overlap(True)
+    if ctx.staged:
+        return ctx.staged_link, ctx.cal.ring_overlap(True)
+    return ctx.links.tp_p2p, ctx.cal.ring_overlap(False)
+
+
+def fused_mlp_hops(ctx: _Context) -> tuple[Link, float]:
+    """(link, hidden share) of the fused ring MLP's hops (``comm.start_ring_hop``): staged
+    through host memory where the transport stages, NCCL's elsewhere (peer links or not)."""
+    if ctx.staged:
+        return ctx.staged_link, ctx.cal.ring_overlap(True)
+    return ctx.links.tp_p2p, ctx.cal.ring_hop_overlap
 
 
 def interleaved_recompute(ctx: _Context) -> float:
@@ -369,7 +393,7 @@ def block_cost(ctx: _Context) -> BlockCost:
             ctx.model,
             ctx.tokens,
             ctx.t,
-            ctx.links.tp,
+            ctx.staged_link if ctx.staged else ctx.links.tp,
             ctx.speed,
             1.0 if ctx.staged else ctx.cal.overlap_fraction,  # no SMs: the GEMMs keep theirs
             ctx.interleave,
@@ -787,7 +811,7 @@ def block_key(ctx: _Context) -> tuple:
         last_stage_layers=0,
         recompute_layers=0,
     )
-    return layer, ctx.links.tp, ctx.links.tp_p2p, ctx.copy_engines
+    return layer, ctx.links.tp, ctx.links.tp_p2p, ctx.copy_engines, ctx.staged_link, ctx.staged
 
 
 class Evaluator:

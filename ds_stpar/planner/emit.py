@@ -467,8 +467,9 @@ def megatron_args_text(
     ``NAME=value`` env lines (with a prediction that has ring hops, the
     ``DS_STPAR_RING_TRANSPORT`` it priced; with one of the interleaved layer,
     ``DS_STPAR_TRANSFER_TRANSPORT=nccl``), then one flag per line. A prediction that priced
-    the interleaved layer's transfers by the copy engines is refused: they need more than
-    one hardware queue, and Megatron-LM asserts ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with TP."""
+    a ring layout's transfers or hops by the copy engines through host memory is refused:
+    they need more than one hardware queue, and Megatron-LM asserts
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with TP."""
     args = megatron_args(model, cluster, train, strategy, optimizer)
     strategy = _megatron_sp(strategy)
     lines = [
@@ -865,8 +866,9 @@ def bucketed_deepspeed_config(
 
 
 def hops_note(est: Estimate) -> str:
-    """``, ring hops by the copy engines`` (or by NCCL) where the estimate has ring hops: the
-    transport it assumed, which ``DS_STPAR_RING_TRANSPORT`` on the GPUs must leave it; for
+    """``, ring hops by the copy engines`` (or by NCCL, or through host memory) where the
+    estimate has ring hops: the transport it assumed, which ``DS_STPAR_RING_TRANSPORT`` (peer
+    links) and ``DS_STPAR_TRANSFER_TRANSPORT`` (host memory) on the GPUs must leave it; for
     the interleaved layer, what it took to carry its transfers
     (``DS_STPAR_TRANSFER_TRANSPORT``)."""
     names = {

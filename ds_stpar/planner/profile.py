@@ -107,8 +107,9 @@ class Calibration:
     ``DS_STPAR_RING_TRANSPORT`` says on the GPUs: ``auto`` lets the copy engines carry the
     ring linears' hops for a TP group in one node whose GPUs reach each other's memory,
     :attr:`Profile.peer_copies`; ``nccl`` and ``symmetric-memory`` force either; the fused
-    ring MLP's and Cannon's hops stay NCCL's), ``transfer_transport`` (how the ring layouts'
-    transfers run, the interleaved layer's and, without peer links, the ring layers' hops,
+    ring MLP's and Cannon's hops stay NCCL's over peer links), ``transfer_transport`` (how
+    the ring layouts' transfers run, the interleaved layer's and, without peer links, the
+    ring layers' hops,
     ``DS_STPAR_TRANSFER_TRANSPORT``: ``nccl``, the default, as Megatron-LM runs them, whose
     ``pretrain_gpt.py`` asserts ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with TP, under which the
     layers keep NCCL's; ``auto`` prices the copy engines through host memory

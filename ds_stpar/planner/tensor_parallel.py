@@ -209,11 +209,13 @@ def ring_block(
     fused_mlp: bool = False,
     two_pass_mlp: bool = False,
     mlp_overlap: float | None = None,
+    mlp_link: Link | None = None,
 ) -> BlockTP:
     """Ring (P = t): chunk GEMMs of T/P tokens, neighbour hops of T/P x dim chunks, each
     hidden up to ``overlap``; with ``fused_mlp`` the MLP as :func:`fused_ring_mlp`, its hops
-    hidden up to ``mlp_overlap`` (default ``overlap``: the fused pass sends by NCCL whatever
-    carries the linears' hops); with ``two_pass_mlp`` (the MLP's two
+    over ``mlp_link`` (default ``hop_link``) hidden up to ``mlp_overlap`` (default ``overlap``:
+    the fused pass's hops go by NCCL, or staged through host memory, never by the linears'
+    peer-link copy engines); with ``two_pass_mlp`` (the MLP's two
     passes in one node, ``layers/ring_mlp.py``) its linears as two ring linears plus, in the
     backward, act(A) recomputed for fc2's weight gradient (read fc1's output e f1/t, write
     e f/t); its derivative kernel writes dA over A, as Megatron's writes it anywhere (the
@@ -232,7 +234,8 @@ def ring_block(
     linears = block_linears(model)
     if fused_mlp and p > 1:
         mlp_share = overlap if mlp_overlap is None else mlp_overlap
-        gemm, comm, hop = fused_ring_mlp(model, tokens, p, hop_link, speed, mlp_share)
+        mlp_hops = mlp_link or hop_link
+        gemm, comm, hop = fused_ring_mlp(model, tokens, p, mlp_hops, speed, mlp_share)
         result.count("p2p", hop, 4 * (p - 1))
         fwd_g, bwd_g, fwd_c, bwd_c = gemm.fwd, gemm.bwd, comm.fwd, comm.bwd
         linears = linears[:2]
