@@ -30,7 +30,9 @@ DTYPES = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 #: what carries the ring's hops (DS_STPAR_RING_TRANSPORT, ds_stpar/layers/symmetric.py)
 RING_TRANSPORTS = ("auto", "nccl", "symmetric-memory")
-TRANSFER_TRANSPORTS = ("auto", "nccl", "host-staged")  # the interleaved layer's transfers
+#: what carries the interleaved layer's transfers and, without peer links, the ring layers'
+#: hops (DS_STPAR_TRANSFER_TRANSPORT, ds_stpar/layers/host_staged.py)
+TRANSFER_TRANSPORTS = ("auto", "nccl", "host-staged")
 GiB = 1024**3
 
 

@@ -146,7 +146,7 @@ class HostStagedGroup:
         same transfer, since every rank runs the same shapes) once every copy is done."""
         if self._buffers is not None and nbytes <= self._buffers.slot_bytes:
             return self._buffers
-        nbytes = -(-max(nbytes, 1) // _ALIGN) * _ALIGN  # every slot starts page-aligned
+        nbytes = _aligned(max(nbytes, 1))  # every slot starts page-aligned
         torch.cuda.synchronize(self.device)  # every copy of the old buffers done,
         dist.barrier(group=self.group)  # and every peer's
         if self._buffers is not None:
@@ -189,10 +189,11 @@ class HostStagedGroup:
         makes the current stream wait and returns ``recvs``."""
         if self.rank in (to, source):
             raise ValueError("a staged batch's messages go to and come from other ranks")
-        writes = list(zip(sends, _offsets(sends)))
-        reads = [(source, at, into) for into, at in zip(recvs, _offsets(recvs))]
-        extent = max(_extent(sends), _extent(recvs))
-        sent, received = self._issue(extent, writes, reads)
+        sent_at, sent_bytes = _packed(sends)
+        read_at, read_bytes = _packed(recvs)
+        writes = list(zip(sends, sent_at))
+        reads = [(source, at, into) for into, at in zip(recvs, read_at)]
+        sent, received = self._issue(max(sent_bytes, read_bytes), writes, reads)
         return StagedTransfer(self, "shift", (None, sends, recvs, recvs), sent, received, False)
 
     def _issue(
@@ -276,17 +277,19 @@ def _read(slot: int) -> int:
     return SLOTS * PIECES + slot
 
 
-def _offsets(tensors: list[Tensor]) -> list[int]:
-    """Byte offsets of ``tensors`` one after the other in a slot, each page-aligned."""
-    ends = [0]
+def _aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to a page."""
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _packed(tensors: list[Tensor]) -> tuple[list[int], int]:
+    """(byte offsets of ``tensors`` one after the other in a slot, each page-aligned; the
+    bytes they take)."""
+    offsets, end = [], 0
     for t in tensors:
-        ends.append(ends[-1] + -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN)
-    return ends[:-1]
-
-
-def _extent(tensors: list[Tensor]) -> int:
-    """Bytes ``tensors`` take in a slot at :func:`_offsets`."""
-    return sum(-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in tensors)
+        offsets.append(end)
+        end += _aligned(t.numel() * t.element_size())
+    return offsets, end
 
 
 def _pieces(t: Tensor) -> tuple[Tensor, ...]:

@@ -263,8 +263,9 @@ class _Context:
         #: the ring layouts' transfers and hops go by the copy engines through host memory
         #: (layers/host_staged.py)
         self.staged = staged_transfers(strategy, ev.cluster, ev.cal.transfer_transport)
-        #: what a staged transfer crosses: the calibration's staged rate where it has one
-        self.staged_link = self.links.tp_p2p
+        #: what a staged transfer crosses where the calibration has a staged rate (None: the
+        #: profile's links, as NCCL's transfers)
+        self.staged_link: Link | None = None
         if self.staged and ev.cal.staged_link_gbs:
             self.staged_link = Link(self.t, ev.cal.staged_link_gbs * GB, self.links.tp_p2p.alpha)
         #: interleaved layers that hand their pieces on in one block: a model chunk's, the
@@ -353,7 +354,7 @@ def ring_linear_hops(ctx: _Context) -> tuple[Link, float]:
     if ctx.copy_engines:
         return ctx.links.tp_p2p, ctx.cal.ring_overlap(True)
     if ctx.staged:
-        return ctx.staged_link, ctx.cal.ring_overlap(True)
+        return ctx.staged_link or ctx.links.tp_p2p, ctx.cal.ring_overlap(True)
     return ctx.links.tp_p2p, ctx.cal.ring_overlap(False)
 
 
@@ -361,7 +362,7 @@ def fused_mlp_hops(ctx: _Context) -> tuple[Link, float]:
     """(link, hidden share) of the fused ring MLP's hops (``comm.start_ring_hop``): staged
     through host memory where the transport stages, NCCL's elsewhere (peer links or not)."""
     if ctx.staged:
-        return ctx.staged_link, ctx.cal.ring_overlap(True)
+        return ctx.staged_link or ctx.links.tp_p2p, ctx.cal.ring_overlap(True)
     return ctx.links.tp_p2p, ctx.cal.ring_hop_overlap
 
 
@@ -393,7 +394,7 @@ def block_cost(ctx: _Context) -> BlockCost:
             ctx.model,
             ctx.tokens,
             ctx.t,
-            ctx.staged_link if ctx.staged else ctx.links.tp,
+            ctx.staged_link or ctx.links.tp,
             ctx.speed,
             1.0 if ctx.staged else ctx.cal.overlap_fraction,  # no SMs: the GEMMs keep theirs
             ctx.interleave,

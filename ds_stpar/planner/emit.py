@@ -877,8 +877,7 @@ def hops_note(est: Estimate) -> str:
         "host-staged": "the copy engines through host memory",
     }
     if est.transfers:
-        staged = est.transfers == "host-staged"
-        return ", transfers by " + ("the copy engines through host memory" if staged else "NCCL")
+        return f", transfers by {names[est.transfers]}"
     return f", ring hops by {names[est.ring_hops]}" if est.ring_hops else ""
 
 
