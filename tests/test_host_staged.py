@@ -268,3 +268,16 @@ def test_staging_refuses_a_single_hardware_queue(monkeypatch) -> None:
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     with pytest.raises(ConfigError, match="CUDA_DEVICE_MAX_CONNECTIONS"):
         host_staged.HostStagedGroup(group=None, device=torch.device("cuda", 0))
+
+
+def test_a_ring_hop_to_several_ranks_or_into_a_strided_buffer_is_refused() -> None:
+    # checked before any transport is chosen, so the same on every path (no group needed)
+    from ds_stpar.layers.comm import Message, start_ring_hop
+
+    x, into = torch.zeros(4, 3), torch.zeros(4, 3)
+    with pytest.raises(ValueError, match="sends to one rank and receives from one"):
+        start_ring_hop([Message(x, 1), Message(x, 2)], [Message(into, 1)], None)
+    with pytest.raises(ValueError, match="sends to one rank and receives from one"):
+        start_ring_hop([Message(x, 1)], [], None)
+    with pytest.raises(ValueError, match="contiguous"):
+        start_ring_hop([Message(x, 1)], [Message(torch.zeros(3, 4).t(), 1)], None)
