@@ -13,7 +13,11 @@ The four settings on two GPUs: ``host-staged`` and ``auto`` under ``NCCL_P2P_DIS
 stage, ``auto`` with peer access and ``nccl`` keep NCCL's (the same results either way). More
 transfers than slots in flight at once, with no synchronisation between them, finished in
 reverse. The ring layers' hops (``comm.start_ring_hop``): the fused ring MLP and a
-``ring_pass`` staged and through NCCL, bit for bit. On the CPU: which groups stage (every
+``ring_pass`` staged and through NCCL, bit for bit. On one GPU shared by P = 2, 3 and 4
+ranks (each its own process and CUDA context, a gloo group for the ranks' agreement): every
+pattern against a reference made from every rank's input in the transport's order of
+additions (bit for bit), more transfers in flight than slots, and a ring's hops against the
+same ring on the CPU over gloo. On the CPU: which groups stage (every
 rank's host, device and hardware queues, peer access), ranks set differently refused (not
 left waiting for each other), gloo groups keep their collectives whatever the setting,
 unknown settings and a single hardware queue refused.
@@ -201,6 +205,137 @@ def _ring_worker(rank: int, world_size: int) -> None:
 def test_two_gpu_ring_hops_staged_match_nccl(monkeypatch) -> None:
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
     run_workers(_ring_worker, 2, backend="nccl")
+
+
+def _summed(terms: list[torch.Tensor]) -> torch.Tensor:
+    """Terms added in rank order, as the staged transport adds them."""
+    total = terms[0] + terms[1] if len(terms) > 1 else terms[0]
+    for term in terms[2:]:
+        total += term
+    return total
+
+
+def _reference(kind: str, everyone: list[torch.Tensor], rank: int) -> torch.Tensor:
+    """What ``kind`` gives rank ``rank`` from every rank's input (CPU, the transport's dtype
+    and order of additions: IEEE sums of the same terms in the same order, so exact)."""
+    size = len(everyone)
+    if kind == "gather":
+        return torch.cat(everyone)
+    if kind == "gather_others":
+        return torch.cat(everyone[:rank] + everyone[rank + 1 :])
+    if kind == "reduce_scatter":
+        return _summed([x.chunk(size)[rank] for x in everyone])
+    if kind == "reduce_others":  # rank r's terms: the other ranks' chunks in rank order
+        return _summed(
+            [x.chunk(size - 1)[rank - (rank > r)] for r, x in enumerate(everyone) if r != rank]
+        )
+    return _summed(everyone)
+
+
+def _shared_gpu_worker(rank: int, world_size: int) -> None:
+    """Every rank on GPU 0, a gloo group (its ranks agree there; the data goes through host
+    memory): every pattern against :func:`_reference` bit for bit, finished in order and in
+    reverse, more transfers in flight than slots; a ring's hops (the fused ring MLP, and
+    ``ring_pass``'s rotating chunk and accumulator) against the same ring on the CPU over
+    gloo."""
+    from ds_stpar.layers import async_comm, comm, host_staged
+    from ds_stpar.layers.ring_mlp import ring_mlp
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    group = dist.new_group(list(range(world_size)))
+    assert host_staged.staged_group(group, device) is not None
+    starts = {
+        "reduce_scatter": async_comm.start_reduce_scatter,
+        "gather": async_comm.start_gather,
+        "all_reduce": async_comm.start_all_reduce,
+        "all_reduce_in_place": async_comm.start_all_reduce_in_place,
+        "gather_others": async_comm.start_gather_others,
+        "reduce_others": async_comm.start_reduce_others,
+    }
+    seed = 0
+    for dtype in (torch.bfloat16, torch.float32):
+        for reverse in (False, True):
+            for shape in SHAPES:
+                rows = shape[0] * (world_size - 1) * world_size  # divides by P and P - 1
+                shape = (rows, *shape[1:])
+                seed += 1
+                everyone = {
+                    k: [_inputs(r, shape, dtype, "cpu", seed * 10 + i) for r in range(world_size)]
+                    for i, k in enumerate(starts)
+                }
+                sent = {k: xs[rank].to(device, copy=True) for k, xs in everyone.items()}
+                flights = [(k, starts[k](sent[k], group)) for k in starts]
+                order = reversed(flights) if reverse else flights
+                results = {k: flight.finish().cpu() for k, flight in order}
+                for k in starts:
+                    want = _reference(k.removesuffix("_in_place"), everyone[k], rank)
+                    what = f"{k} {shape} {dtype} reverse={reverse} P={world_size}"
+                    assert torch.equal(results[k], want), what
+                assert torch.equal(
+                    sent["all_reduce_in_place"].cpu(), results["all_reduce_in_place"]
+                )
+                assert torch.equal(sent["all_reduce"].cpu(), everyone["all_reduce"][rank])
+    count = 2 * host_staged.SLOTS + 3  # in flight at once, finished in reverse
+    kinds = [k for k in starts if not k.endswith("_in_place")]
+    plan = [
+        (kinds[i % len(kinds)], (world_size * (world_size - 1) * 32, 2, 64)) for i in range(count)
+    ]
+    everyone = [
+        [_inputs(r, shape, torch.bfloat16, "cpu", 5000 + i) for r in range(world_size)]
+        for i, (_, shape) in enumerate(plan)
+    ]
+    flights = [
+        starts[k](xs[rank].to(device), group) for (k, _), xs in zip(plan, everyone, strict=True)
+    ]
+    results = [flight.finish().cpu() for flight in reversed(flights)][::-1]
+    for i, ((k, _), xs) in enumerate(zip(plan, everyone, strict=True)):
+        assert torch.equal(results[i], _reference(k, xs, rank)), f"transfer {i} ({k})"
+
+    cpu_group = dist.new_group(list(range(world_size)))  # the same ring over gloo, on the CPU
+    g = torch.Generator().manual_seed(7)  # the same weights on every rank, own rows each
+    k, f = 96, 160
+    w1, b1, w2 = (
+        torch.randn(f, k, generator=g) / 8,
+        torch.randn(f, generator=g),
+        torch.randn(k, f, generator=g) / 8,
+    )
+    x = _inputs(rank, (64, 2, k), torch.float32, "cpu", 5)
+    dy = _inputs(rank, (64, 2, k), torch.float32, "cpu", 6)
+    chunk = _inputs(rank, (16, 2, 24), torch.float32, "cpu", 8)
+    got = {}
+    for where, on in ((cpu_group, "cpu"), (group, device)):
+        leaves = [t.to(on, copy=True).requires_grad_() for t in (x, w1, b1, w2)]
+        y = ring_mlp(*leaves, torch.nn.functional.gelu, where, pieces=3, min_piece_flop=0)
+        y.backward(dy.to(on))
+        visited: list = []
+        ring = chunk.to(on)
+        total = comm.ring_pass(
+            where,
+            rotate=ring,
+            visit=lambda c, t, seen=visited: seen.append(t.to("cpu", copy=True)),  # not kept
+            partial=lambda m, ring=ring: ring * (m + 1) + rank,
+        )
+        got[on if on == "cpu" else "gpu"] = [y, *(t.grad for t in leaves), total, *visited]
+    for i, (a, b) in enumerate(zip(got["cpu"], got["gpu"], strict=True)):
+        b = b.cpu()
+        if i < 5:  # fp32 GEMMs on two devices, sums in other orders: ~1e-6 of the largest
+            error = (a - b).abs().max() / b.abs().max()  # entry; a wrong chunk or hop, O(1)
+            assert error <= 1e-5, f"ring MLP result {i} P={world_size}: {error:.2e}"
+        else:  # copies and elementwise fp32 sums in the same order: the same bits
+            assert torch.equal(a, b), f"ring_pass result {i} P={world_size}"
+    torch.cuda.synchronize(device)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpus(1), reason="needs a CUDA GPU (CI has none)")
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ranks_sharing_one_gpu_stage_every_pattern_and_ring_hop(monkeypatch, world_size) -> None:
+    """P ranks on one GPU: the staged transport's flags, slots and pieces between processes
+    (each its own CUDA context) at P = 2, 3 and 4, where a machine of P GPUs is not at hand."""
+    monkeypatch.setenv("DS_STPAR_TRANSFER_TRANSPORT", "host-staged")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    run_workers(_shared_gpu_worker, world_size)
 
 
 def _settings_worker(rank: int, world_size: int) -> None:

@@ -328,7 +328,9 @@ class _Buffers:
         for raw in self._pages.bytes.values():
             err = torch.cuda.cudart().cudaHostRegister(raw.data_ptr(), raw.numel(), 0)
             if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister of {raw.numel()} bytes failed: {err}")
+                raise RuntimeError(
+                    f"cudaHostRegister of {raw.numel()} bytes failed: cudaError {int(err)}"
+                )
 
     def pieces(self, rank: int, slot: int, offset: int, dtype, numel: int) -> tuple[Tensor, ...]:
         """``numel`` elements of ``dtype`` at byte ``offset`` of ``rank``'s ``slot``, in

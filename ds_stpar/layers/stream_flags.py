@@ -57,7 +57,7 @@ class HostFlags:
             page.data_ptr(), page.numel(), _REGISTER_PORTABLE_MAPPED
         )
         if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of the flags' page failed: {err}")
+            raise RuntimeError(f"cudaHostRegister of the flags' page failed: cudaError {int(err)}")
         address = ctypes.c_uint64()
         _check(
             _driver().cuMemHostGetDevicePointer_v2(ctypes.byref(address), page.data_ptr(), 0),
