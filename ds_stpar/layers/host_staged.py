@@ -29,8 +29,9 @@ pace, 1.16-1.73x against NCCL's 1.43-1.46x.
 
 One transfer, exchange k of the group (every rank starts the same transfers in the same
 order, as for NCCL's collectives), in slot ``k % SLOTS`` of every rank's buffer, each copy
-in ``PIECES`` pieces so that a reader's host-to-device copy of one piece runs beside the
-writer's device-to-host copy of the next; every rank's flags count exchanges + 1::
+in pieces (the group's ``pieces``, ``PIECES`` unless given) so that a reader's host-to-device
+copy of one piece runs beside the writer's device-to-host copy of the next; every rank's
+flags count exchanges + 1::
 
     send stream     wait for the compute stream (the payload is written) and for every
                     peer's ``read`` flag of the slot to reach k - SLOTS + 1 (the slot is
@@ -40,7 +41,9 @@ writer's device-to-host copy of the next; every rank's flags count exchanges + 1
                     from its slot; set this rank's ``read`` of the slot to k + 1
     finish          the compute stream waits for both; adds or places what arrived
 
-The host views of the slots are made once per buffer and kept. A rank that never writes
+The copies are issued to the driver directly (``cuMemcpyAsync``, as ``Tensor.copy_`` issues
+them without its dispatch) on the two streams, from the calling thread, whose current device
+must be the group's (one process per GPU). A rank that never writes
 (gone) leaves its peers' receive streams waiting with no timeout, as an NCCL collective
 without its watchdog would; the launcher (torchrun) ends the job when a rank dies. Ranks
 that start different transfers are not detected: they read each other's bytes, or wait at a
@@ -72,6 +75,7 @@ of page-locked host memory per rank.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import socket
@@ -83,7 +87,7 @@ from torch import Tensor
 
 from ds_stpar.config import TRANSFER_TRANSPORTS as TRANSPORTS
 from ds_stpar.errors import ConfigError
-from ds_stpar.layers.stream_flags import HostFlags
+from ds_stpar.layers.stream_flags import HostFlags, copy_bytes
 
 SLOTS = 8  # transfers in flight before a slot is written again
 PIECES = 4  # each copy in pieces, a reader's H2D of one beside the writer's D2H of the next
@@ -91,7 +95,6 @@ PIECES = 4  # each copy in pieces, a reader's H2D of one beside the writer's D2H
 # h 4096; the interleaved layer within 1% at h 8192, 3% faster at h 4096 / 16K, 15% slower
 # at h 4096 / 8K, where the host sets the pace and its runs spread)
 _ALIGN = 4096  # bytes: slot sizes, so that any dtype's view of a slot is aligned
-_FLAGS = SLOTS * PIECES + SLOTS  # a rank's flags: each piece of each slot written, each slot read
 KINDS = ("gather", "reduce_scatter", "all_reduce", "gather_others", "reduce_others")
 _PER_READER = ("reduce_scatter", "reduce_others")  # a payload part per reader, not one for all
 _ONE_QUEUE = (
@@ -121,17 +124,20 @@ def _shared(name: str, nbytes: int, create: bool) -> mmap.mmap:
 class HostStagedGroup:
     """One group's transfers through host memory on one device (module docstring)."""
 
-    def __init__(self, group, device: torch.device) -> None:
+    def __init__(self, group, device: torch.device, pieces: int = PIECES) -> None:
         if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
             raise ConfigError(_ONE_QUEUE)
-        self.group, self.device = group, device
+        flags = SLOTS * pieces + SLOTS  # each piece of each slot written, each slot read
+        if not 1 <= pieces or 4 * flags > 4096:
+            raise ValueError(f"pieces must be 1 to {(1024 - SLOTS) // SLOTS}, got {pieces}")
+        self.group, self.device, self.pieces = group, device, pieces
         self.size, self.rank = group.size(), group.rank()
         self.peers = [r for r in range(self.size) if r != self.rank]
         self.send_stream = torch.cuda.Stream(device)
         self.recv_stream = torch.cuda.Stream(device)
         with torch.cuda.device(device):
             self._pages = _SharedPages(self, self._agree(uuid.uuid4().hex[:16]), "flags", 4096)
-            self._flags = {r: HostFlags(page, _FLAGS) for r, page in self._pages.bytes.items()}
+            self._flags = {r: HostFlags(page, flags) for r, page in self._pages.bytes.items()}
         self._buffers: _Buffers | None = None
         self._count = 0  # transfers started
 
@@ -201,40 +207,55 @@ class HostStagedGroup:
     ) -> tuple[torch.cuda.Event, torch.cuda.Event]:
         """Issue exchange k: ``writes`` ``(tensor, byte offset)`` into this rank's slot,
         ``reads`` ``(peer, byte offset, tensor)`` from the peers' (module docstring's
-        streams); the events (sent, received) for the compute stream."""
+        streams; every tensor contiguous); the events (sent, received) for the compute
+        stream. The copies go to the driver directly (:func:`copy_bytes`), each piece of a
+        tensor the same bytes on the writer's side and the reader's (:func:`_bounds`)."""
         buffers = self._reserve(nbytes)
         k, slot = self._count, self._count % SLOTS
         self._count += 1
+        pieces, send, recv = self.pieces, self.send_stream, self.recv_stream
+        ready = torch.cuda.current_stream(self.device.index).record_event()  # the payload written,
+        send.wait_event(ready)  # what arrives allocated
+        if k >= SLOTS:  # the slot is free once every peer has read exchange k - SLOTS
+            for r in self.peers:
+                self._flags[r].wait(send, self._read(slot), k - SLOTS + 1)
         mine = self._flags[self.rank]
-        ready = torch.cuda.current_stream(self.device).record_event()  # the payload written,
-        with torch.cuda.stream(self.send_stream):  # what arrives allocated
-            self.send_stream.wait_event(ready)
-            if k >= SLOTS:  # the slot is free once every peer has read exchange k - SLOTS
-                for r in self.peers:
-                    self._flags[r].wait(self.send_stream, _read(slot), k - SLOTS + 1)
-            copies = [
-                (_pieces(t), buffers.pieces(self.rank, slot, at, t.dtype, t.numel()))
-                for t, at in writes
-            ]
-            for p in range(PIECES):
-                for source, place in copies:
-                    place[p].copy_(source[p], True)
-                mine.write(self.send_stream, _written(slot, p), k + 1)
-            sent = self.send_stream.record_event()
-        with torch.cuda.stream(self.recv_stream):
-            self.recv_stream.wait_event(ready)
-            by_peer: dict[int, list] = {}
-            for r, at, t in reads:
-                staged = buffers.pieces(r, slot, at, t.dtype, t.numel())
-                by_peer.setdefault(r, []).append((_pieces(t), staged))
-            for p in range(PIECES):
-                for r, copies in by_peer.items():
-                    self._flags[r].wait(self.recv_stream, _written(slot, p), k + 1)
-                    for target, staged in copies:
-                        target[p].copy_(staged[p], True)
-            mine.write(self.recv_stream, _read(slot), k + 1)
-            received = self.recv_stream.record_event()
-        return sent, received
+        out = [
+            (buffers.address(self.rank, slot, at), t.data_ptr(), _bounds(t, pieces))
+            for t, at in writes
+        ]
+        for p in range(pieces):
+            for into, source, bounds in out:
+                if bounds[p + 1] > bounds[p]:
+                    copy_bytes(
+                        send, into + bounds[p], source + bounds[p], bounds[p + 1] - bounds[p]
+                    )
+            mine.write(send, self._written(slot, p), k + 1)
+        sent = send.record_event()
+        recv.wait_event(ready)
+        by_peer: dict[int, list] = {}
+        for r, at, t in reads:
+            by_peer.setdefault(r, []).append(
+                (t.data_ptr(), buffers.address(r, slot, at), _bounds(t, pieces))
+            )
+        for p in range(pieces):
+            for r, copies in by_peer.items():
+                self._flags[r].wait(recv, self._written(slot, p), k + 1)
+                for into, source, bounds in copies:
+                    if bounds[p + 1] > bounds[p]:
+                        copy_bytes(
+                            recv, into + bounds[p], source + bounds[p], bounds[p + 1] - bounds[p]
+                        )
+        mine.write(recv, self._read(slot), k + 1)
+        return sent, recv.record_event()
+
+    def _written(self, slot: int, piece: int) -> int:
+        """The flag a writer sets to exchange + 1 once that piece of its slot is written."""
+        return slot * self.pieces + piece
+
+    def _read(self, slot: int) -> int:
+        """The flag a reader sets to exchange + 1 once it has read that slot of every peer."""
+        return SLOTS * self.pieces + slot
 
     def _receiving(self, kind: str, x: Tensor, part: Tensor) -> tuple[Tensor | None, list]:
         """(the result when it is what arrives, placed; the tensors each peer's part lands in)."""
@@ -251,7 +272,7 @@ class HostStagedGroup:
     def finish(self, transfer: StagedTransfer) -> Tensor | list[Tensor]:
         """Make the current stream wait for ``transfer``'s copies; its result."""
         own, _payload, arriving, result = transfer.tensors
-        compute = torch.cuda.current_stream(self.device)
+        compute = torch.cuda.current_stream(self.device.index)
         compute.wait_event(transfer.sent)  # the payload may be freed or written after this
         compute.wait_event(transfer.received)
         if result is not None:  # placed as it arrived (gathers, a shift's receive buffers)
@@ -265,16 +286,6 @@ class HostStagedGroup:
         for term in terms[2:]:
             total += term
         return own.copy_(total).detach() if transfer.in_place else total
-
-
-def _written(slot: int, piece: int) -> int:
-    """The flag a writer sets to exchange + 1 once that piece of its slot is written."""
-    return slot * PIECES + piece
-
-
-def _read(slot: int) -> int:
-    """The flag a reader sets to exchange + 1 once it has read that slot of every peer."""
-    return SLOTS * PIECES + slot
 
 
 def _aligned(nbytes: int) -> int:
@@ -292,9 +303,17 @@ def _packed(tensors: list[Tensor]) -> tuple[list[int], int]:
     return offsets, end
 
 
-def _pieces(t: Tensor) -> tuple[Tensor, ...]:
-    """Contiguous ``t``'s elements in ``PIECES`` pieces."""
-    return t.view(-1).tensor_split(PIECES)
+def _bounds(t: Tensor, pieces: int) -> tuple[int, ...]:
+    """Byte offsets where contiguous ``t``'s ``pieces`` pieces start, and its end: whole
+    elements, the first pieces one element longer where they do not divide evenly (as
+    ``tensor_split``); a piece may be empty."""
+    return _piece_bounds(t.numel(), t.element_size(), pieces)
+
+
+@functools.cache
+def _piece_bounds(numel: int, itemsize: int, pieces: int) -> tuple[int, ...]:
+    base, longer = divmod(numel, pieces)
+    return tuple(itemsize * (p * base + min(p, longer)) for p in range(pieces + 1))
 
 
 class _SharedPages:
@@ -324,7 +343,6 @@ class _Buffers:
     def __init__(self, owner: HostStagedGroup, tag: str, slot_bytes: int) -> None:
         self.slot_bytes = slot_bytes
         self._pages = _SharedPages(owner, tag, "buf", slot_bytes * SLOTS)
-        self._views: dict[tuple, tuple[Tensor, ...]] = {}
         for raw in self._pages.bytes.values():
             err = torch.cuda.cudart().cudaHostRegister(raw.data_ptr(), raw.numel(), 0)
             if int(err) != 0:
@@ -332,20 +350,13 @@ class _Buffers:
                     f"cudaHostRegister of {raw.numel()} bytes failed: cudaError {int(err)}"
                 )
 
-    def pieces(self, rank: int, slot: int, offset: int, dtype, numel: int) -> tuple[Tensor, ...]:
-        """``numel`` elements of ``dtype`` at byte ``offset`` of ``rank``'s ``slot``, in
-        ``PIECES`` pieces (kept: a transfer's host side is the same from step to step)."""
-        key = (rank, slot, offset, dtype, numel)
-        if key not in self._views:
-            start = slot * self.slot_bytes + offset
-            raw = self._pages.bytes[rank][start : start + numel * dtype.itemsize]
-            self._views[key] = raw.view(dtype).tensor_split(PIECES)
-        return self._views[key]
+    def address(self, rank: int, slot: int, offset: int) -> int:
+        """The host address of byte ``offset`` of ``rank``'s ``slot``."""
+        return self._pages.bytes[rank].data_ptr() + slot * self.slot_bytes + offset
 
     def close(self) -> None:
         for raw in self._pages.bytes.values():
             torch.cuda.cudart().cudaHostUnregister(raw.data_ptr())
-        self._views.clear()
         self._pages.close()
 
 

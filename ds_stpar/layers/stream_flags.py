@@ -1,5 +1,6 @@
 """GPU-side waits for, and writes of, 32-bit flags in page-locked host memory: CUDA's stream
-memory operations (``cuStreamWaitValue32`` / ``cuStreamWriteValue32``) through the driver.
+memory operations (``cuStreamWaitValue32`` / ``cuStreamWriteValue32``) through the driver,
+and the copies between them (``cuMemcpyAsync``, :func:`copy_bytes`).
 
 Why. A stream can wait for another process's work through an IPC event only once that
 process's host has recorded the event, so the waiting host must first learn that it has: the
@@ -33,6 +34,7 @@ def _driver() -> ctypes.CDLL:
         ("cuStreamWaitValue32_v2", [ctypes.c_void_p, u64, u32, ctypes.c_uint]),
         ("cuStreamWriteValue32_v2", [ctypes.c_void_p, u64, u32, ctypes.c_uint]),
         ("cuMemHostGetDevicePointer_v2", [ctypes.POINTER(u64), ctypes.c_void_p, ctypes.c_uint]),
+        ("cuMemcpyAsync", [u64, u64, ctypes.c_size_t, ctypes.c_void_p]),
     ):
         getattr(driver, name).argtypes = args
         getattr(driver, name).restype = ctypes.c_int
@@ -88,3 +90,14 @@ class HostFlags:
             ),
             "cuStreamWriteValue32",
         )
+
+
+def copy_bytes(stream: torch.cuda.Stream, destination: int, source: int, nbytes: int) -> None:
+    """``stream`` copies ``nbytes`` from address ``source`` to ``destination`` (device memory
+    or registered host memory: unified addressing tells the direction), as ``Tensor.copy_``
+    of contiguous tensors of one dtype does through ``cudaMemcpyAsync``, without its dispatch
+    (a few microseconds of host time a copy, where a staged transfer makes two per piece).
+    ``stream``'s later work, a flag write among it, follows the copy."""
+    _check(
+        _driver().cuMemcpyAsync(destination, source, nbytes, stream.cuda_stream), "cuMemcpyAsync"
+    )
