@@ -82,7 +82,16 @@ weights excluded): weights, gradients, activations and Megatron's gather buffer 
 variant); NCCL's buffers and async-tp's symmetric memory are not counted, the ring's
 copy-engine buffer (``ds_stpar.layers.symmetric``, where ``DS_STPAR_RING_TRANSPORT``
 takes it) is, added to the ring variants' peaks.
-"vs megatron-sp" = megatron-sp's ms / the variant's ms (> 1: faster).
+"vs megatron-sp" = megatron-sp's ms / the variant's ms (> 1: faster). Host ms (the max over
+the ranks) = the median over the timed steps of the host's time in a step's calls, before
+the GPU has done them: where it nears ms/step, the host sets the pace (a full launch queue
+can block it on GPU-bound steps too).
+
+``--shared-gpu`` (a machine with one GPU): every rank on GPU 0 in a gloo world, each its own
+process and CUDA context, ``DS_STPAR_TRANSFER_TRANSPORT=host-staged`` (the layers' transfers
+and ring hops through host memory; gloo cannot carry CUDA collectives, so only the ring and
+interleaved variants run), each timed step synchronised: peaks and host ms are each rank's
+own, ms/step measures nothing (the ranks share one GPU).
 
 Before timing each case, every variant that computes the global function (megatron, ring,
 cannon, one-gpu, async-tp) is compared with megatron-sp on the same full weights and the same
@@ -291,6 +300,7 @@ class Row:
     status: str = "ok"
     note: str = ""
     times_ms: list[float] = field(default_factory=list)
+    host_ms: float | None = None  # the host's time in a step's calls (median), the slower rank's
     memory_trace: dict | None = None  # --memory-trace: rank 0's peak by source line
     # ring variants' hops: "copy engines" (peer links, ds_stpar/layers/symmetric.py),
     # "host-staged" (through host memory, ds_stpar/layers/host_staged.py), both (forced
@@ -315,8 +325,8 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
 def format_table(rows: list[Row]) -> str:
     lines = [
         "| link | block | variant | h | tokens | ms/step | TFLOP/s/GPU | peak GiB "
-        f"| vs {REFERENCE} |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| vs {REFERENCE} | host ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ms = _fmt(r.ms, ".2f") if r.status == "ok" else f"{r.status} ({r.note})"[:60]
@@ -324,7 +334,7 @@ def format_table(rows: list[Row]) -> str:
         lines.append(
             f"| {r.label} | {r.block} | {variant} | {r.hidden} | {r.tokens} | {ms} "
             f"| {_fmt(r.tflops_per_gpu, '.0f')} | {_fmt(r.peak_gib, '.2f')} "
-            f"| {_fmt(r.vs_reference, '.3f', 'x')} |"
+            f"| {_fmt(r.vs_reference, '.3f', 'x')} | {_fmt(r.host_ms, '.2f')} |"
         )
     return "\n".join(lines)
 
@@ -391,6 +401,8 @@ class Runtime:
     trace_dir: str | None = None  # --trace-dir: one traced step per variant there
     host_trace: str | None = None  # --host-trace: HOST_TRACE_STEPS steps with Python stacks
     memory_trace: bool = False  # --memory-trace: one more step under the allocator's history
+    shared_gpu: bool = False  # --shared-gpu: every rank on GPU 0, gloo; each step synchronised
+    host_ms: list[float] = field(default_factory=list)  # the last timing's host ms per step
 
     @property
     def cuda(self) -> bool:
@@ -406,7 +418,9 @@ class Runtime:
             torch.cuda.synchronize(self.device)
 
     def reduce(self, values: list[float], op=dist.ReduceOp.MAX) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        t = torch.tensor(
+            values, dtype=torch.float64, device="cpu" if self.shared_gpu else self.device
+        )
         dist.all_reduce(t, op=op, group=self.tp_group)
         return t.tolist()
 
@@ -432,10 +446,15 @@ class Runtime:
             (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             for _ in range(repeats)
         ]
+        self.host_ms = []
         for i, (start, end) in enumerate(events):
             start.record()
+            issued = time.perf_counter()
             step(self.warmup + i)
+            self.host_ms.append((time.perf_counter() - issued) * 1e3)
             end.record()
+            if self.shared_gpu:  # the host's time without waiting for a queue the GPU drains
+                self.sync()
         torch.cuda.synchronize(self.device)
         return [start.elapsed_time(end) for start, end in events]
 
@@ -1045,8 +1064,10 @@ def time_variant(variant: str, case: Case, rt: Runtime, async_name, full) -> Row
     if not rt.all_ok(ok):
         row.status, row.note = "failed", note or "failed on another rank"
         return row
-    median, peak_max = rt.reduce([statistics.median(times), peak / 2**30])
+    host = statistics.median(rt.host_ms) if rt.cuda else 0.0
+    median, peak_max, host_max = rt.reduce([statistics.median(times), peak / 2**30, host])
     row.ms, row.peak_gib, row.times_ms = median, peak_max if rt.cuda else None, times
+    row.host_ms = host_max if rt.cuda else None
     return row
 
 
@@ -1279,6 +1300,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "what is alive at its peak, by source line, in the JSON rows and printed on rank 0",
     )
     parser.add_argument("--cpu", action="store_true", help="gloo on CPU (smoke test only)")
+    parser.add_argument(
+        "--shared-gpu",
+        action="store_true",
+        help="every rank on GPU 0 in a gloo world, the layers' transfers staged through host "
+        "memory, each step synchronised: peak GiB and host ms are each rank's own; ms/step "
+        "measures nothing (the ranks share the GPU). For the staged variants on one GPU",
+    )
     args = parser.parse_args(argv)
     if min(args.repeats, args.pool, args.seq, args.head_dim, args.layers) < 1 or args.warmup < 0:
         parser.error(
@@ -1288,6 +1316,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--memory-trace reads the CUDA allocator's history: not with --cpu")
     if args.sm_carveout is not None and (args.cpu or args.sm_carveout < 0):
         parser.error("--sm-carveout leaves N >= 0 of a GPU's SMs to the transfers: not with --cpu")
+    if args.shared_gpu and args.cpu:
+        parser.error("--shared-gpu and --cpu: choose one")
     if args.trace_dir and args.cpu:
         parser.error(
             "--trace-dir records GPU activity: not with --cpu (--host-trace records the host's)"
@@ -1324,9 +1354,13 @@ def init_runtime(args: argparse.Namespace) -> Runtime:
     else:
         if not torch.cuda.is_available():
             raise SystemExit("bench/layers.py needs CUDA GPUs (or --cpu for a smoke run)")
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device(
+            "cuda", 0 if args.shared_gpu else int(os.environ.get("LOCAL_RANK", 0))
+        )
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", timeout=timeout)
+        if args.shared_gpu:  # the tensor-parallel transfers through host memory; gloo the rest
+            os.environ["DS_STPAR_TRANSFER_TRANSPORT"] = "host-staged"
+        dist.init_process_group("gloo" if args.shared_gpu else "nccl", timeout=timeout)
     size = dist.get_world_size()
     if size != int(os.environ.get("WORLD_SIZE", "1")):
         raise SystemExit(f"world size {size} differs from WORLD_SIZE; launch with torchrun")
@@ -1350,6 +1384,7 @@ def init_runtime(args: argparse.Namespace) -> Runtime:
         trace_dir=args.trace_dir,
         host_trace=args.host_trace,
         memory_trace=args.memory_trace,
+        shared_gpu=args.shared_gpu,
         ring_piecing={
             key: value
             for key, value in (
