@@ -49,18 +49,24 @@ def _worker(
 
 def run_workers(fn: Callable, world_size: int, *args, backend: str = "gloo") -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks of ``backend`` (gloo; or
-    nccl, rank r on GPU r); re-raise failures."""
+    nccl, rank r on GPU r); re-raise failures. A port that another process took between
+    :func:`free_port` and rank 0's listening on it (``EADDRINUSE``: the rendezvous failed,
+    ``fn`` never ran) is retried on a new port, twice at most."""
     ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    try:
-        mp.start_processes(
-            _worker,
-            args=(world_size, free_port(), fn, args, errors, backend),
-            nprocs=world_size,
-            start_method="spawn",
-        )
-    except mp.ProcessRaisedException as err:
-        messages = []
-        while not errors.empty():
-            messages.append(errors.get())
-        raise AssertionError("\n".join(messages) or str(err)) from None
+    for attempt in range(3):
+        errors = ctx.SimpleQueue()
+        try:
+            mp.start_processes(
+                _worker,
+                args=(world_size, free_port(), fn, args, errors, backend),
+                nprocs=world_size,
+                start_method="spawn",
+            )
+            return
+        except mp.ProcessRaisedException as err:
+            messages = []
+            while not errors.empty():
+                messages.append(errors.get())
+            text = "\n".join(messages) or str(err)
+            if "EADDRINUSE" not in text or attempt == 2:
+                raise AssertionError(text) from None
