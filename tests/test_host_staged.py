@@ -61,19 +61,27 @@ def _nccl(kind: str, x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def _worker(rank: int, world_size: int, expect_staged: bool) -> None:
-    from ds_stpar.layers import async_comm, host_staged
+def _starts() -> dict:
+    """Every ``async_comm`` pattern's start, by name; the reduce-scatter's payload is the
+    smallest, so the gather after it grows the buffer."""
+    from ds_stpar.layers import async_comm
 
-    device = torch.device("cuda", rank)
-    group = dist.new_group(list(range(world_size)))
-    starts = {  # the reduce-scatter's payload is the smallest: the gather after it grows
-        "reduce_scatter": async_comm.start_reduce_scatter,  # the buffer
+    return {
+        "reduce_scatter": async_comm.start_reduce_scatter,
         "gather": async_comm.start_gather,
         "all_reduce": async_comm.start_all_reduce,
         "all_reduce_in_place": async_comm.start_all_reduce_in_place,
         "gather_others": async_comm.start_gather_others,
         "reduce_others": async_comm.start_reduce_others,
     }
+
+
+def _worker(rank: int, world_size: int, expect_staged: bool) -> None:
+    from ds_stpar.layers import host_staged
+
+    device = torch.device("cuda", rank)
+    group = dist.new_group(list(range(world_size)))
+    starts = _starts()
     seed = 0
     for dtype in (torch.bfloat16, torch.float32):
         for reverse in (False, True):
@@ -238,21 +246,14 @@ def _shared_gpu_worker(rank: int, world_size: int) -> None:
     reverse, more transfers in flight than slots; a ring's hops (the fused ring MLP, and
     ``ring_pass``'s rotating chunk and accumulator) against the same ring on the CPU over
     gloo."""
-    from ds_stpar.layers import async_comm, comm, host_staged
+    from ds_stpar.layers import comm, host_staged
     from ds_stpar.layers.ring_mlp import ring_mlp
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     group = dist.new_group(list(range(world_size)))
     assert host_staged.staged_group(group, device) is not None
-    starts = {
-        "reduce_scatter": async_comm.start_reduce_scatter,
-        "gather": async_comm.start_gather,
-        "all_reduce": async_comm.start_all_reduce,
-        "all_reduce_in_place": async_comm.start_all_reduce_in_place,
-        "gather_others": async_comm.start_gather_others,
-        "reduce_others": async_comm.start_reduce_others,
-    }
+    starts = _starts()
     seed = 0
     for dtype in (torch.bfloat16, torch.float32):
         for reverse in (False, True):
