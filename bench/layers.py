@@ -83,15 +83,18 @@ variant); NCCL's buffers and async-tp's symmetric memory are not counted, the ri
 copy-engine buffer (``ds_stpar.layers.symmetric``, where ``DS_STPAR_RING_TRANSPORT``
 takes it) is, added to the ring variants' peaks.
 "vs megatron-sp" = megatron-sp's ms / the variant's ms (> 1: faster). Host ms (the max over
-the ranks) = the median over the timed steps of the host's time in a step's calls, before
-the GPU has done them: where it nears ms/step, the host sets the pace (a full launch queue
-can block it on GPU-bound steps too).
+the ranks) = the median over the timed steps of the host's time in a step's calls. Where it
+nears ms/step, either the host sets the pace or the host waited for the GPU inside the
+step: a full launch queue, or the ring hops' in-flight bound (``comm.MAX_IN_FLIGHT``, which
+``start_ring_hop`` and ``ring_pass`` wait on; ``async_comm``'s transfers have none). A case
+where the same code's host ms stays well under its ms/step shows the queue did not fill.
 
 ``--shared-gpu`` (a machine with one GPU): every rank on GPU 0 in a gloo world, each its own
 process and CUDA context, ``DS_STPAR_TRANSFER_TRANSPORT=host-staged`` (the layers' transfers
-and ring hops through host memory; gloo cannot carry CUDA collectives, so only the ring and
-interleaved variants run), each timed step synchronised: peaks and host ms are each rank's
-own, ms/step measures nothing (the ranks share one GPU).
+and ring hops through host memory; Megatron's collectives go over gloo's CUDA support,
+hundreds of ms a step), each timed step synchronised so that no step's host time waits for
+an earlier step's GPU work: each rank measures its own peak and host ms (the table: the
+max over the ranks); ms/step measures nothing (the ranks share one GPU).
 
 Before timing each case, every variant that computes the global function (megatron, ring,
 cannon, one-gpu, async-tp) is compared with megatron-sp on the same full weights and the same
@@ -1304,8 +1307,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--shared-gpu",
         action="store_true",
         help="every rank on GPU 0 in a gloo world, the layers' transfers staged through host "
-        "memory, each step synchronised: peak GiB and host ms are each rank's own; ms/step "
-        "measures nothing (the ranks share the GPU). For the staged variants on one GPU",
+        "memory, each step synchronised: each rank measures its own peak and host ms (the "
+        "table: their max); ms/step measures nothing (the ranks share the GPU). For the "
+        "staged variants on one GPU",
     )
     args = parser.parse_args(argv)
     if min(args.repeats, args.pool, args.seq, args.head_dim, args.layers) < 1 or args.warmup < 0:

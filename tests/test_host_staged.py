@@ -417,3 +417,27 @@ def test_a_ring_hop_to_several_ranks_or_into_a_strided_buffer_is_refused() -> No
         start_ring_hop([Message(x, 1)], [], None)
     with pytest.raises(ValueError, match="contiguous"):
         start_ring_hop([Message(x, 1)], [Message(torch.zeros(3, 4).t(), 1)], None)
+
+
+def _pieces_worker(rank: int, world_size: int) -> None:
+    from ds_stpar.layers.host_staged import HostStagedGroup
+
+    group = dist.new_group(list(range(world_size)))
+    with pytest.raises(ValueError, match="different piece counts"):  # on every rank, before
+        HostStagedGroup(group, torch.device("cuda", rank), pieces=2 + rank)  # any CUDA call
+
+
+def test_ranks_staging_in_different_piece_counts_are_refused(monkeypatch) -> None:
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    run_workers(_pieces_worker, 2)
+
+
+def test_pieces_cut_a_transfer_s_bytes_evenly_and_whole() -> None:
+    from ds_stpar.layers.host_staged import _piece_bounds
+
+    for nbytes in (0, 1, 7, 4096, 16 << 20, 3 * (1 << 20) + 5):
+        for pieces in (1, 2, 3, 4, 8):
+            bounds = _piece_bounds(nbytes, pieces)
+            sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+            assert bounds[0] == 0 and bounds[-1] == nbytes and len(sizes) == pieces
+            assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)

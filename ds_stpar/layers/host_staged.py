@@ -133,6 +133,10 @@ class HostStagedGroup:
         self.group, self.device, self.pieces = group, device, pieces
         self.size, self.rank = group.size(), group.rank()
         self.peers = [r for r in range(self.size) if r != self.rank]
+        everyone: list = [None] * self.size  # the flags' layout and the pieces' bounds
+        dist.all_gather_object(everyone, pieces, group=group)  # depend on it: the same
+        if len(set(everyone)) > 1:  # on every rank, or each would read the others' wrong flags
+            raise ValueError(f"the group's ranks stage in different piece counts: {everyone}")
         self.send_stream = torch.cuda.Stream(device)
         self.recv_stream = torch.cuda.Stream(device)
         with torch.cuda.device(device):
@@ -210,6 +214,11 @@ class HostStagedGroup:
         streams; every tensor contiguous); the events (sent, received) for the compute
         stream. The copies go to the driver directly (:func:`copy_bytes`), each piece of a
         tensor the same bytes on the writer's side and the reader's (:func:`_bounds`)."""
+        if torch.cuda.current_device() != self.device.index:  # the driver's calls go to the
+            raise RuntimeError(  # current device's context, the buffers registered there
+                f"a staged transfer of {self.device} issued with cuda:"
+                f"{torch.cuda.current_device()} current: set the process's device first"
+            )
         buffers = self._reserve(nbytes)
         k, slot = self._count, self._count % SLOTS
         self._count += 1
@@ -304,16 +313,17 @@ def _packed(tensors: list[Tensor]) -> tuple[list[int], int]:
 
 
 def _bounds(t: Tensor, pieces: int) -> tuple[int, ...]:
-    """Byte offsets where contiguous ``t``'s ``pieces`` pieces start, and its end: whole
-    elements, the first pieces one element longer where they do not divide evenly (as
-    ``tensor_split``); a piece may be empty."""
-    return _piece_bounds(t.numel(), t.element_size(), pieces)
+    """Byte offsets where contiguous ``t``'s ``pieces`` pieces start, and its end: its bytes
+    cut as evenly as they go (a piece may be empty, or end inside an element: the copies are
+    of bytes), so a writer's and a reader's pieces match wherever their byte counts do,
+    whatever their dtypes."""
+    return _piece_bounds(t.numel() * t.element_size(), pieces)
 
 
-@functools.cache
-def _piece_bounds(numel: int, itemsize: int, pieces: int) -> tuple[int, ...]:
-    base, longer = divmod(numel, pieces)
-    return tuple(itemsize * (p * base + min(p, longer)) for p in range(pieces + 1))
+@functools.lru_cache(maxsize=256)
+def _piece_bounds(nbytes: int, pieces: int) -> tuple[int, ...]:
+    base, longer = divmod(nbytes, pieces)
+    return tuple(p * base + min(p, longer) for p in range(pieces + 1))
 
 
 class _SharedPages:

@@ -96,7 +96,8 @@ def copy_bytes(stream: torch.cuda.Stream, destination: int, source: int, nbytes:
     """``stream`` copies ``nbytes`` from address ``source`` to ``destination`` (device memory
     or registered host memory: unified addressing tells the direction), as ``Tensor.copy_``
     of contiguous tensors of one dtype does through ``cudaMemcpyAsync``, without its dispatch
-    (a few microseconds of host time a copy, where a staged transfer makes two per piece).
+    (a few microseconds of host time a copy, where a staged transfer makes one per piece and
+    payload tensor on the writer, one per piece and read on each reader).
     ``stream``'s later work, a flag write among it, follows the copy."""
     _check(
         _driver().cuMemcpyAsync(destination, source, nbytes, stream.cuda_stream), "cuMemcpyAsync"
