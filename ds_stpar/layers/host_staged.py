@@ -94,7 +94,7 @@ PIECES = 4  # each copy in pieces, a reader's H2D of one beside the writer's D2H
 # (4 against 2 on 2 x H200, call 210: the fused ring MLP 2.5% faster at h 8192 / 8K, 6-8% at
 # h 4096; the interleaved layer within 1% at h 8192, 3% faster at h 4096 / 16K, 15% slower
 # at h 4096 / 8K, where the host sets the pace and its runs spread)
-_ALIGN = 4096  # bytes: slot sizes, so that any dtype's view of a slot is aligned
+_ALIGN = 4096  # bytes: every slot and every message in one starts on a page
 KINDS = ("gather", "reduce_scatter", "all_reduce", "gather_others", "reduce_others")
 _PER_READER = ("reduce_scatter", "reduce_others")  # a payload part per reader, not one for all
 _ONE_QUEUE = (
@@ -234,11 +234,7 @@ class HostStagedGroup:
             for t, at in writes
         ]
         for p in range(pieces):
-            for into, source, bounds in out:
-                if bounds[p + 1] > bounds[p]:
-                    copy_bytes(
-                        send, into + bounds[p], source + bounds[p], bounds[p + 1] - bounds[p]
-                    )
+            _copy_piece(send, out, p)
             mine.write(send, self._written(slot, p), k + 1)
         sent = send.record_event()
         recv.wait_event(ready)
@@ -250,11 +246,7 @@ class HostStagedGroup:
         for p in range(pieces):
             for r, copies in by_peer.items():
                 self._flags[r].wait(recv, self._written(slot, p), k + 1)
-                for into, source, bounds in copies:
-                    if bounds[p + 1] > bounds[p]:
-                        copy_bytes(
-                            recv, into + bounds[p], source + bounds[p], bounds[p + 1] - bounds[p]
-                        )
+                _copy_piece(recv, copies, p)
         mine.write(recv, self._read(slot), k + 1)
         return sent, recv.record_event()
 
@@ -318,6 +310,13 @@ def _bounds(t: Tensor, pieces: int) -> tuple[int, ...]:
     of bytes), so a writer's and a reader's pieces match wherever their byte counts do,
     whatever their dtypes."""
     return _piece_bounds(t.numel() * t.element_size(), pieces)
+
+
+def _copy_piece(stream: torch.cuda.Stream, copies: list[tuple[int, int, tuple]], p: int) -> None:
+    """``stream`` copies piece ``p`` of each ``(to address, from address, bounds)``."""
+    for into, source, bounds in copies:
+        if bounds[p + 1] > bounds[p]:
+            copy_bytes(stream, into + bounds[p], source + bounds[p], bounds[p + 1] - bounds[p])
 
 
 @functools.lru_cache(maxsize=256)
