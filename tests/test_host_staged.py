@@ -441,3 +441,12 @@ def test_pieces_cut_a_transfer_s_bytes_evenly_and_whole() -> None:
             sizes = [b - a for a, b in zip(bounds, bounds[1:])]
             assert bounds[0] == 0 and bounds[-1] == nbytes and len(sizes) == pieces
             assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+def test_a_piece_count_the_flags_page_cannot_hold_is_refused(monkeypatch) -> None:
+    from ds_stpar.layers.host_staged import HostStagedGroup
+
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    for pieces in (0, 128):  # checked before the group or a GPU is touched
+        with pytest.raises(ValueError, match="pieces must be 1 to 127"):
+            HostStagedGroup(None, torch.device("cuda", 0), pieces=pieces)
