@@ -180,11 +180,17 @@ class HostStagedGroup:
         part = payload[0]
         part_bytes = part.numel() * part.element_size()
         result, arriving = self._receiving(kind, x, part)
+        if kind == "gather":  # sent from where the result holds it already: the transfer then
+            payload = [result.chunk(self.size)[self.rank]]  # keeps nothing of the caller's
         at = [self.rank - (self.rank > r) if kind in _PER_READER else 0 for r in self.peers]
         writes = [(each, i * part_bytes) for i, each in enumerate(payload)]
         reads = [(r, i * part_bytes, into) for r, i, into in zip(self.peers, at, arriving)]
         sent, received = self._issue(part_bytes * len(payload), writes, reads)
-        own = parts[self.rank] if kind == "reduce_scatter" else x
+        own = None  # this rank's term of a sum, which finish adds to what arrives
+        if kind == "reduce_scatter":
+            own = parts[self.rank]
+        elif kind == "all_reduce":
+            own = x
         tensors = (own, payload, arriving, result)
         return StagedTransfer(self, kind, tensors, sent, received, in_place)
 
