@@ -81,7 +81,7 @@ def _record_pieces(layers, calls: list[int]) -> None:
 
 
 # the interleaved layer's transfers
-TRANSFERS = ("gather_others", "all_reduce", "reduce_scatter", "reduce_others")
+TRANSFERS = ("gather", "gather_others", "all_reduce", "reduce_scatter", "reduce_others")
 
 
 @contextlib.contextmanager
@@ -111,10 +111,10 @@ def _counted_transfers():
 
 def _interleaved_transfers(layers: int, pieces: int, recompute: str) -> dict[str, int]:
     """Transfers per forward of a block of interleaved layers: handed on from layer to layer
-    (at the block's ends one gather and one reduction per piece, each piece's gather and
-    the last piece's reduction of the other ranks' rows only; two all-reduces per piece per
-    layer but the last), or per layer under full recompute, each layer run twice."""
-    ends = {"gather_others": pieces, "reduce_scatter": pieces - 1}
+    (at the block's ends one gather and one reduction per piece, the first piece's gather
+    and the last piece's reduction of the other ranks' rows only; two all-reduces per piece
+    per layer but the last), or per layer under full recompute, each layer run twice."""
+    ends = {"gather": pieces - 1, "gather_others": 1, "reduce_scatter": pieces - 1}
     ends["reduce_others"] = 1
     if recompute == "full":
         return {kind: 2 * layers * n for kind, n in {**ends, "all_reduce": pieces}.items()}
@@ -392,12 +392,12 @@ def _hand_on_landings(rank: int, world: int) -> None:
         with _counted_transfers() as transfers:
             handed = run(block)
         # per forward (run makes two): 4 pieces after 2, the second layer lands the first
-        # one's 2 pieces and gathers 4 itself; every piece a layer gathers comes as the
-        # other ranks' rows, and the last piece of a layer that does not hand on reduces
-        # the other ranks' rows only
+        # one's 2 pieces and gathers 4 itself; a layer's first piece gathers and the last
+        # piece of a layer that does not hand on reduces the other ranks' rows only
+        gathers = 1 + (second - 1 if second == 4 else 0)
         ends = {"reduce_scatter": second - 1, "reduce_others": 1}
-        others = {"gather_others": 2 + (second if second == 4 else 0)}
-        expect = {**others, "all_reduce": 4 + second, **ends}
+        others = {"gather_others": 1 + (second == 4)}
+        expect = {"gather": gathers, **others, "all_reduce": 4 + second, **ends}
         assert transfers == {kind: 2 * n for kind, n in expect.items()}, (second, transfers)
         block.layers[0].hands_on = False
         reduced = run(block)
@@ -422,10 +422,10 @@ def _hand_on_landings(rank: int, world: int) -> None:
         )
         with _counted_transfers() as transfers:
             handed = run(block)
-        # per forward: the first layer's 2 gathers (each piece's, of the other ranks' rows),
-        # 2 all-reduces per piece per interleaved layer, no reduction (the pieces land as
+        # per forward: the first layer's 2 gathers (the first piece's of the others' rows), 2
+        # all-reduces per piece per interleaved layer, no reduction (the pieces land as
         # all-reduced rows)
-        expect = {"gather_others": 4, "all_reduce": 2 * 4 * interleaved}
+        expect = {"gather": 2, "gather_others": 2, "all_reduce": 2 * 4 * interleaved}
         assert transfers == expect, transfers
         for layer in block.layers:
             layer.hands_on = False

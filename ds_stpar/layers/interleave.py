@@ -15,11 +15,10 @@ is cut along the batch into k pieces ``[s/P, b/k, h]``. The transfers are
 attention and the MLP are this layer's own submodules with their linears in
 ``local_compute`` mode, so they run only this rank's GEMMs. For k = 2 (pieces A, B)::
 
-    start sending x_A's rows to the other ranks;  norm1 + QKV(A own rows);  start sending x_B's
+    start sending x_A's rows to the other ranks;  norm1 + QKV(A own rows);  start gather x_B
     others' rows of A: norm1 + QKV(A others' rows), attention(A), start all-reduce A
-                                                                  (B's rows travel)
-    norm1 + QKV(B own rows); others' rows of B: norm1 + QKV(them), attention(B),
-                         start all-reduce B                       (all-reduce A travels)
+                                                                  (gather B travels)
+    finish gather B: norm1, attention(B), start all-reduce B      (all-reduce A travels)
     finish all-reduce A: + residual, norm2, MLP(A), start reduce-scatter A   (all-reduce B)
     finish all-reduce B: + residual, norm2, MLP(B rows of the other ranks),
                          start sending them;  land A;  MLP(B own rows)        (reduce A, B)
@@ -27,10 +26,8 @@ attention and the MLP are this layer's own submodules with their linears in
 
 and for larger k the same loops over more pieces. Every transfer hides behind another piece's
 attention or MLP, but the layer's first and last, which hide behind this rank's own rows:
-the GEMMs and norms work row by row, so each piece gathers only the other ranks' rows
-(``gather_others_start``), the first while its own rows run their norm and QKV GEMM (the
-others' own rows run apart too, which keeps their norm input as the rows that arrive plus a
-view of the layer's input, not a gathered copy of all s rows: :meth:`_piece`), and the last piece
+the GEMMs and norms work row by row, so the first piece gathers only the other ranks' rows
+(``gather_others_start``) while its own rows run their norm and QKV GEMM, and the last piece
 runs the rows the other ranks keep first and sends this rank's terms of them
 (``reduce_others_start``: the reduce-scatter without the own term) while its own rows run
 their MLP; both move Megatron's volume, as one all-to-all each. The backward mirrors it: it
@@ -90,8 +87,8 @@ all-reduce's adjoint is an all-reduce, a gather's a reduce-scatter).
 
 Communication volume per layer equals Megatron TP+SP's forward (gather, all-reduce =
 reduce-scatter + gather, reduce-scatter) and its backward less the two re-gathers. Memory:
-the layer keeps the other ranks' rows of its input and the all-reduced middle (the norms'
-inputs), (P-1)/P of the activation more each than the ring layer's own chunks; the norms' outputs, the column
+the layer keeps the gathered residual and the all-reduced middle (the norms' inputs), (P-1)/P
+of the activation more each than the ring layer's own chunks; the norms' outputs, the column
 GEMMs' gathered inputs, are not kept: the spec's norms mark them (``norm_recipe``) and the
 local column GEMMs keep the norms' inputs instead, making the outputs again for their weight
 gradients (QKV's after the attention core's backward; until the twenty-sixth session Megatron's
@@ -131,8 +128,10 @@ from ds_stpar.errors import ConfigError
 from ds_stpar.layers.async_comm import (
     all_reduce_finish,
     all_reduce_start,
+    gather_finish,
     gather_others_finish,
     gather_others_start,
+    gather_start,
     reduce_others_finish,
     reduce_others_start,
     reduce_scatter_finish,
@@ -339,8 +338,8 @@ class InterleavedTransformerLayer(TransformerLayer):
         with local_compute(self.self_attention, self.mlp):
             if handoff is None:
                 first, *rest = hidden_states.chunk(count, dim=1)
-                arrivals = [self._piece(first, group, own_now=True)]  # before the others' sends
-                arrivals += [self._piece(x, group, own_now=False) for x in rest]
+                arrivals = [self._first_piece(first, group)]  # issued before the others' gathers
+                arrivals += [partial(_plain, gather_finish, *gather_start(x, group)) for x in rest]
             else:
                 arrivals = [partial(_plain, arrive) for arrive in handoff.arrivals]
                 handoff = None
@@ -376,6 +375,7 @@ class InterleavedTransformerLayer(TransformerLayer):
             # the own rows, this piece's residual at the output, are cut before the MLP runs:
             # autograd runs the newest node first, so the cut's backward, which pads their
             # gradient to all s rows with zeros, then runs after the MLP's, not beside it
+            # (BENCHMARKS.md, thirty-fourth session: h 8192 / 8K's peak 32 MiB lower)
             own = None if hand_on else _own_rows(middle, group)
             out, bias = self.mlp(self.pre_mlp_layernorm(middle))
             if hand_on:
@@ -386,25 +386,15 @@ class InterleavedTransformerLayer(TransformerLayer):
             landings.append(partial(self._land, *land))
         return Handoff(landings, group)
 
-    def _piece(self, x: Tensor, group, own_now: bool) -> Callable[[], tuple[Tensor, tuple]]:
-        """Start a piece from this rank's rows ``x`` ``[s/P, b/k, h]``: send them to the other
-        ranks; returns the piece's arrival: its rows ``[s, b/k, h]`` and its QKV output with
-        bias. The own rows' norm and QKV GEMM run apart from the other ranks' rows: now for
-        the first piece (``own_now``), while the other ranks' rows come (module docstring),
-        and for the others at arrival, before the wait for those rows.
-
-        Why every piece by rows and not by a gather: the norm's input, which the QKV linear
-        keeps for its weight gradient (``norm_recipe``), is then the other ranks' rows plus
-        ``x``, a view of the layer's input, alive anyway; a gathered copy of all s rows held
-        this rank's rows a second time until the piece's QKV backward (h 8192 / 8K tokens at
-        TP2: 32 MiB through the whole backward; BENCHMARKS.md, thirty-fourth session), and its
-        norm and weight gradient came back in the backward for all s rows at once."""
+    def _first_piece(self, x: Tensor, group) -> Callable[[], tuple[Tensor, tuple]]:
+        """Start the first piece (module docstring): send its rows ``x`` ``[s/P, b/k, h]`` to
+        the other ranks and run their norm and QKV GEMM while the other ranks' rows come;
+        returns the piece's arrival: its rows ``[s, b/k, h]`` and its QKV output with bias."""
         qkv_linear = self.self_attention.linear_qkv
         token, transfer = gather_others_start(x, group)
-        own = qkv_linear(self.input_layernorm(x)) if own_now else None
+        qkv_own, bias = qkv_linear(self.input_layernorm(x))
 
         def arrive() -> tuple[Tensor, tuple]:
-            qkv_own, bias = own if own is not None else qkv_linear(self.input_layernorm(x))
             others = gather_others_finish(token, transfer)
             qkv_others, _ = qkv_linear(self.input_layernorm(others))
             cut = group.rank() * x.shape[0]
