@@ -495,13 +495,17 @@ def _backward_fills(rank: int, world: int) -> None:
     splits, whose backward concatenates the parts' gradients; slices' backward made a zero
     tensor of the whole per part and autograd added them up (seven per layer step at h 8192,
     twenty-eighth session, call 178). The one left: the first piece's residual takes only
-    this rank's rows of its middle, so the split's backward fills the others' rows."""
+    this rank's rows of its middle, so the split's backward fills the others' rows; it runs
+    after that piece's MLP backward, so the padded gradient is not held through it (the
+    cut is made before the MLP in the forward; thirty-fourth session, call 223)."""
     from megatron.core import parallel_state
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from ds_stpar.layers import local
+
     block, x = _one_interleaved_layer(world)
     piece = x.shape[0] * 2 * x.shape[2]  # this rank's rows of one piece
-    fills = []
+    events = []
 
     class Fills(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -509,13 +513,26 @@ def _backward_fills(rank: int, world: int) -> None:
             name = func.overloadpacket.__name__
             if name in ("zeros", "new_zeros", "zero_", "fill_", "zeros_like", "slice_backward"):
                 if isinstance(out, torch.Tensor) and out.numel() >= piece:
-                    fills.append((name, tuple(out.shape)))
+                    events.append((name, tuple(out.shape)))
             return out
 
+    fc2_backward = local._ActivationLinear.backward
+
+    def recorded(ctx, *grads):
+        events.append(("fc2", ctx.saved_tensors[0].shape[0]))  # the rows of A it saved
+        return fc2_backward(ctx, *grads)
+
     out = block(x, attention_mask=None)
-    with Fills():
-        out.backward(torch.randn_like(out))
-    assert fills == [("zeros", (x.shape[0] * (world - 1), 2, x.shape[2]))], fills
+    local._ActivationLinear.backward = staticmethod(recorded)
+    try:
+        with Fills():
+            out.backward(torch.randn_like(out))
+    finally:
+        local._ActivationLinear.backward = staticmethod(fc2_backward)
+    fills = [event for event in events if event[0] != "fc2"]
+    assert fills == [("zeros", (x.shape[0] * (world - 1), 2, x.shape[2]))], events
+    first_piece_mlp = events.index(("fc2", x.shape[0] * world))  # all s rows of the piece
+    assert events.index(fills[0]) > first_piece_mlp, events
     parallel_state.destroy_model_parallel()
 
 
