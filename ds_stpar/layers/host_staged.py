@@ -95,6 +95,8 @@ PIECES = 4  # each copy in pieces, a reader's H2D of one beside the writer's D2H
 # h 4096; the interleaved layer within 1% at h 8192, 3% faster at h 4096 / 16K, 15% slower
 # at h 4096 / 8K, where the host sets the pace and its runs spread)
 _ALIGN = 4096  # bytes: every slot and every message in one starts on a page
+_FLAG_PAGE = 4096  # bytes of a rank's flags (32-bit each): bounds the piece count
+_MAX_PIECES = (_FLAG_PAGE // 4 - SLOTS) // SLOTS  # SLOTS x (pieces + 1) flags in the page
 KINDS = ("gather", "reduce_scatter", "all_reduce", "gather_others", "reduce_others")
 _PER_READER = ("reduce_scatter", "reduce_others")  # a payload part per reader, not one for all
 _ONE_QUEUE = (
@@ -127,9 +129,9 @@ class HostStagedGroup:
     def __init__(self, group, device: torch.device, pieces: int = PIECES) -> None:
         if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
             raise ConfigError(_ONE_QUEUE)
+        if not 1 <= pieces <= _MAX_PIECES:
+            raise ValueError(f"pieces must be 1 to {_MAX_PIECES}, got {pieces}")
         flags = SLOTS * pieces + SLOTS  # each piece of each slot written, each slot read
-        if not 1 <= pieces or 4 * flags > 4096:
-            raise ValueError(f"pieces must be 1 to {(1024 - SLOTS) // SLOTS}, got {pieces}")
         self.group, self.device, self.pieces = group, device, pieces
         self.size, self.rank = group.size(), group.rank()
         self.peers = [r for r in range(self.size) if r != self.rank]
@@ -140,7 +142,9 @@ class HostStagedGroup:
         self.send_stream = torch.cuda.Stream(device)
         self.recv_stream = torch.cuda.Stream(device)
         with torch.cuda.device(device):
-            self._pages = _SharedPages(self, self._agree(uuid.uuid4().hex[:16]), "flags", 4096)
+            self._pages = _SharedPages(
+                self, self._agree(uuid.uuid4().hex[:16]), "flags", _FLAG_PAGE
+            )
             self._flags = {r: HostFlags(page, flags) for r, page in self._pages.bytes.items()}
         self._buffers: _Buffers | None = None
         self._count = 0  # transfers started
