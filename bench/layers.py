@@ -79,9 +79,11 @@ then the max over the P ranks. TFLOP/s per GPU counts model FLOPs / GPUs (MLP 48
 Peak GiB (per GPU, the max over the ranks) = torch.cuda.max_memory_allocated during the steps
 minus the memory allocated before the variant's module was built (its input pool and the full
 weights excluded): weights, gradients, activations and Megatron's gather buffer (reset per
-variant); NCCL's buffers and async-tp's symmetric memory are not counted, the ring's
-copy-engine buffer (``ds_stpar.layers.symmetric``, where ``DS_STPAR_RING_TRANSPORT``
-takes it) is, added to the ring variants' peaks.
+variant); NCCL's buffers, async-tp's symmetric memory and cuBLAS's workspaces are not counted
+(the workspaces, one per stream a GEMM ran on, are freed before each variant and the ones its
+steps allocated subtracted: a process pays them once, not per layer; the JSON rows give them
+as ``gemm_workspaces_mib``), the ring's copy-engine buffer (``ds_stpar.layers.symmetric``,
+where ``DS_STPAR_RING_TRANSPORT`` takes it) is, added to the ring variants' peaks.
 "vs megatron-sp" = megatron-sp's ms / the variant's ms (> 1: faster). Host ms (the max over
 the ranks) = the median over the timed steps of the host's time in a step's calls. Where it
 nears ms/step, either the host sets the pace or the host waited for the GPU inside the
@@ -304,6 +306,7 @@ class Row:
     note: str = ""
     times_ms: list[float] = field(default_factory=list)
     host_ms: float | None = None  # the host's time in a step's calls (median), the slower rank's
+    gemm_workspaces_mib: float | None = None  # cuBLAS's, allocated by the steps, not in peak_gib
     memory_trace: dict | None = None  # --memory-trace: rank 0's peak by source line
     # ring variants' hops: "copy engines" (peer links, ds_stpar/layers/symmetric.py),
     # "host-staged" (through host memory, ds_stpar/layers/host_staged.py), both (forced
@@ -474,6 +477,19 @@ class Runtime:
 
     def peak(self) -> int:
         return torch.cuda.max_memory_allocated(self.device) if self.cuda else 0
+
+    def release_gemm_workspaces(self) -> int:
+        """Free cuBLAS's workspaces (one per stream a GEMM ran on, 33 MiB each on an H200 with
+        torch 2.11: call 225); returns the bytes they held. A process allocates them once, at
+        its first GEMM on each stream, and keeps them: left in, a variant's peak would count
+        them or not by whether an earlier case of the same process had run GEMMs on its
+        streams (Megatron TP2+SP at h 8192 / 8K measured 2.5636 GiB first in its process and
+        2.5011 GiB after h 4096; thirty-fifth session)."""
+        if not self.cuda:
+            return 0
+        held = torch.cuda.memory_allocated(self.device)
+        torch._C._cuda_clearCublasWorkspaces()  # no public API; CUDA builds have it
+        return held - torch.cuda.memory_allocated(self.device)
 
     def free(self) -> None:
         gc.collect()
@@ -1017,7 +1033,7 @@ def run_checks(case, rt, variants, async_name, full) -> tuple[list[dict], set[st
 def time_variant(variant: str, case: Case, rt: Runtime, async_name, full) -> Row:
     gpus = 1 if variant == "one-gpu" else rt.size
     row = Row(rt.label, case.name, variant, case.hidden, case.tokens, case.seq, gpus)
-    ok, note = True, ""
+    ok, note, peak, workspaces = True, "", 0, 0
     try:
         sp = variant in SEQUENCE_PARALLEL
         shape = shapes(case, sp, rt.size)
@@ -1030,6 +1046,7 @@ def time_variant(variant: str, case: Case, rt: Runtime, async_name, full) -> Row
 
             release(rt.device)
         rt.free()
+        rt.release_gemm_workspaces()
         rt.sync()
         base = rt.allocated()
         built = build(variant, case, rt, async_name)
@@ -1059,6 +1076,8 @@ def time_variant(variant: str, case: Case, rt: Runtime, async_name, full) -> Row
             profile_steps(built, xs[0], dys[0], rt, path, HOST_TRACE_STEPS, host=True)
         if rt.memory_trace and rt.cuda:
             row.memory_trace = memory_trace_step(built, xs[0], dys[0], rt)
+        workspaces = rt.release_gemm_workspaces()  # after the traces: their steps find them
+        peak -= workspaces
     except Exception as err:
         traceback.print_exc()
         ok, note = False, f"{type(err).__name__}: {err}"[:300]
@@ -1068,8 +1087,11 @@ def time_variant(variant: str, case: Case, rt: Runtime, async_name, full) -> Row
         row.status, row.note = "failed", note or "failed on another rank"
         return row
     host = statistics.median(rt.host_ms) if rt.cuda else 0.0
-    median, peak_max, host_max = rt.reduce([statistics.median(times), peak / 2**30, host])
+    median, peak_max, host_max, workspaces_max = rt.reduce(
+        [statistics.median(times), peak / 2**30, host, workspaces / 2**20]
+    )
     row.ms, row.peak_gib, row.times_ms = median, peak_max if rt.cuda else None, times
+    row.gemm_workspaces_mib = workspaces_max if rt.cuda else None
     row.host_ms = host_max if rt.cuda else None
     return row
 
