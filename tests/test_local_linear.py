@@ -18,9 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from ds_stpar.layers.activation import ClosedFormActivation
+from ds_stpar.layers import local
+from ds_stpar.layers.activation import ClosedFormActivation, activation_backward
 from ds_stpar.layers.local import LocalCompute, activation_linear, local_linear
+from ds_stpar.layers.wgrad import WeightGrad
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
@@ -47,16 +50,16 @@ def _swiglu(a: torch.Tensor) -> torch.Tensor:
 CLOSED_FORM_SWIGLU = ClosedFormActivation(F.silu, gated=True)
 
 
-def _through_pieces(x, weight, act, main_grad, uses: int) -> torch.Tensor:
+def _through_pieces(x, weight, act, main_grad, uses: int, dw_first: bool = False) -> torch.Tensor:
     """``x`` cut into ``uses`` pieces along dim 1, each through ``weight`` (``local_linear``, or
     ``activation_linear`` with ``act``) with one :class:`LocalCompute`, concatenated again: an
-    interleaved layer's linear."""
+    interleaved layer's linear (``dw_first``: every piece but the first makes dW first)."""
     call = LocalCompute()
     pieces = []
-    for piece in x.chunk(uses, dim=1):
+    for index, piece in enumerate(x.chunk(uses, dim=1)):
         grads = call.weight_grad(weight, main_grad)
         if act is None:
-            pieces.append(local_linear(piece, weight, grads))
+            pieces.append(local_linear(piece, weight, grads, dw_first and index > 0))
         else:  # + 0: a fresh A, as fc1's output is, handed over for dA to be written over it
             pieces.append(activation_linear(piece + 0, weight, act, grads, consume_a=True))
     return torch.cat(pieces, dim=1)
@@ -64,11 +67,15 @@ def _through_pieces(x, weight, act, main_grad, uses: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("uses", [1, 2])
 @pytest.mark.parametrize("fusion", ["off", "main_grad", "main_grad, DDP flag"])
-@pytest.mark.parametrize("kind", ["linear", "activation", "closed-form activation"])
+@pytest.mark.parametrize(
+    "kind", ["linear", "linear, dW first", "activation", "closed-form activation"]
+)
 def test_local_gemms_match_float64(kind: str, fusion: str, uses: int) -> None:
     # ``uses`` pieces of the batch through one weight, concatenated as an interleaved layer
     # does; with Megatron's DDP flag (grad_added_to_main_grad) the gradient goes into main_grad
-    # and the flag is set
+    # and the flag is set. "dW first": the second piece's backward makes dW before dX
+    dw_first = kind == "linear, dW first"
+    kind = "linear" if dw_first else kind
     features = 16 if kind == "linear" else 12
     x64 = _rand(1, 5, 2 * uses, features).requires_grad_()
     w64 = _rand(2, 8, features if kind == "linear" else features // 2).requires_grad_()
@@ -78,7 +85,7 @@ def test_local_gemms_match_float64(kind: str, fusion: str, uses: int) -> None:
     if fusion == "main_grad, DDP flag":
         weight.grad_added_to_main_grad = False
     act = CLOSED_FORM_SWIGLU if kind == "closed-form activation" else _swiglu
-    y = _through_pieces(x, weight, None if kind == "linear" else act, main_grad, uses)
+    y = _through_pieces(x, weight, None if kind == "linear" else act, main_grad, uses, dw_first)
     y_ref = F.linear(x64 if kind == "linear" else _swiglu(x64), w64)
     _close(y, y_ref.detach(), f"{kind}: output")
     grad = _rand(3, *y_ref.shape)
@@ -119,6 +126,77 @@ def test_two_uses_hold_one_weight_gradient(kind: str, ddp: bool) -> None:
     block = weight.numel() * weight.element_size()
     peak = memtrace.cpu_peak_above_start(prof)
     assert block <= peak < 1.5 * block, (kind, ddp, peak / block)
+
+
+class _MatmulShapes(TorchDispatchMode):
+    """The output shapes of the matrix products run inside, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            self.shapes.append(tuple(out.shape))
+        return out
+
+
+@pytest.mark.parametrize("dw_first", [False, True])
+def test_weight_grad_first_orders_the_backward(dw_first: bool) -> None:
+    # dX [tokens, K] first by default (what it feeds starts early); dW [N, K] first when asked
+    # (the two, with the remade input, never alive together)
+    x = torch.randn(3, 2, 6, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(4, 6))
+    y = local_linear(x, weight, LocalCompute().weight_grad(weight, None), dw_first)
+    with _MatmulShapes() as seen:
+        y.backward(torch.randn_like(y))
+    dx, dw = (6, 6), (4, 6)
+    assert seen.shapes == ([dw, dx] if dw_first else [dx, dw])
+
+
+@pytest.mark.parametrize("rows_per_chunk", [1, 3, None])
+def test_activation_backward_in_row_chunks_matches_float64(rows_per_chunk) -> None:
+    # dA and dW2 of 10 rows through fc2 in chunks of 1, 3 (the last chunk short) or all rows,
+    # fp32 against autograd in float64 (tolerance as above: reductions of 10 rows or 4
+    # features); dA written over A in place
+    a64 = _rand(1, 10, 8).requires_grad_()
+    w64 = _rand(2, 5, 4).requires_grad_()
+    dy64 = _rand(3, 10, 5)
+    F.linear(_swiglu(a64), w64).backward(dy64)
+    a, wgrad = a64.detach().float(), WeightGrad(torch.zeros(5, 4), None)
+    da = activation_backward(
+        CLOSED_FORM_SWIGLU,
+        a,
+        dy64.float(),
+        w64.detach().float(),
+        wgrad,
+        overwrite=True,
+        rows_per_chunk=rows_per_chunk,
+    )
+    assert da is a
+    _close(da, a64.grad, f"dA, {rows_per_chunk} rows a chunk")
+    _close(wgrad.grad, w64.grad, f"dW2, {rows_per_chunk} rows a chunk")
+
+
+def test_activation_linear_backward_holds_one_chunk_of_act(monkeypatch) -> None:
+    # act(a) and dy W2 of 64 rows x 256 fp32 features (64 KiB each) made whole, or in 8
+    # chunks of 8 rows (8 KiB): the CPU profiler's count is exact to the byte; the backward's
+    # peak above its start falls by at least the 56 KiB the whole rows held more
+    def backward_peak(chunks: int) -> int:
+        monkeypatch.setattr(local, "ACTIVATION_CHUNKS", chunks)
+        weight = torch.nn.Parameter(torch.randn(32, 256))
+        a = torch.randn(64, 1, 512, requires_grad=True)
+        grads = LocalCompute().weight_grad(weight, None)
+        y = activation_linear(a + 0, weight, CLOSED_FORM_SWIGLU, grads, consume_a=True)
+        grad = torch.randn_like(y)
+        cpu = torch.profiler.ProfilerActivity.CPU
+        with torch.profiler.profile(activities=[cpu], profile_memory=True) as prof:
+            y.backward(grad)
+        return memtrace.cpu_peak_above_start(prof)
+
+    whole, chunked = backward_peak(1), backward_peak(8)
+    assert chunked <= whole - 56 * 1024, (whole, chunked)
 
 
 def test_shared_weight_grad_sums_afresh_on_a_second_backward() -> None:

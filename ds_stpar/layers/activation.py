@@ -93,6 +93,7 @@ def activation_backward(
     w2: Tensor,
     wgrad2: WeightGrad | None,
     overwrite: bool = True,
+    rows_per_chunk: int | None = None,
 ) -> Tensor:
     """dA for rows ``a`` ``[T, F]`` of fc1's saved output, given fc2's output gradient ``dy``
     ``[T, N]`` for them and fc2's weight ``w2`` ``[N, F']``: dW2 += dy^T act(a) (when
@@ -100,11 +101,20 @@ def activation_backward(
     before dy W2 is made, and with ``overwrite`` dA is written over ``a`` (returned: the
     caller must not need A's rows again; autograd's version check then refuses a second
     backward through a graph that saved ``a``); otherwise act(a) and dA come from a small
-    graph (:func:`recompute_activation`) and dA is a fresh tensor."""
+    graph (:func:`recompute_activation`) and dA is a fresh tensor.
+
+    ``rows_per_chunk`` (closed form only): the rows go through in chunks of that many, so
+    act(a) and dy W2, ``[T, F']`` each, are alive one chunk at a time (more kernels, each
+    GEMM over fewer rows)."""
     if isinstance(act, ClosedFormActivation):
-        if wgrad2 is not None:
-            wgrad2.add(dy, act(a))
-        return act.grad(a, dy @ w2, out=a if overwrite else None)
+        rows = a.shape[0] if rows_per_chunk is None else max(1, rows_per_chunk)
+        da = a if overwrite else torch.empty_like(a)
+        for start in range(0, a.shape[0], rows):
+            a_rows, dy_rows = a[start : start + rows], dy[start : start + rows]
+            if wgrad2 is not None:
+                wgrad2.add(dy_rows, act(a_rows))
+            act.grad(a_rows, dy_rows @ w2, out=da[start : start + rows])
+        return da
     h, da = recompute_activation(act, a, dy @ w2)
     if wgrad2 is not None:
         wgrad2.add(dy, h)

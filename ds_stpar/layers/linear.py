@@ -355,8 +355,9 @@ class TemporalColumnParallelLinear(TemporalLinear):
         self._check_input(input_, self.input_size)
         main_grad = fused_main_grad(weight, self.gradient_accumulation_fusion)
         if self.local_compute is not None:
-            grads = self.local_compute.weight_grad(weight, main_grad)
-            return self._with_bias(local_linear(input_, weight, grads))
+            call = self.local_compute
+            grads = call.weight_grad(weight, main_grad)
+            return self._with_bias(local_linear(input_, weight, grads, call.weight_grad_first))
         if self.wgrad_deferral is not None:
             deferred = self.wgrad_deferral.start(self.tp_group, input_.device)
             output = ring_column_linear(input_, weight, self.tp_group, main_grad, deferred)
@@ -446,8 +447,9 @@ class TemporalRowParallelLinear(TemporalLinear):
                     "local_compute returns a partial sum: the bias must be added after the "
                     "reduction (skip_bias_add=True)"
                 )
-            grads = self.local_compute.weight_grad(self.weight, main_grad)
-            return local_linear(input_, self.weight, grads), self.bias
+            call = self.local_compute
+            grads = call.weight_grad(self.weight, main_grad)
+            return local_linear(input_, self.weight, grads, call.weight_grad_first), self.bias
         size = self.tp_group.size()
         if input_.shape[0] % size:
             raise ConfigError(
