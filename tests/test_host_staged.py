@@ -61,6 +61,15 @@ def _nccl(kind: str, x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def _laid_out(x: torch.Tensor, pitched: bool) -> torch.Tensor:
+    """A fresh copy of ``x`` ``[n, b, h]``: contiguous, or (``pitched``) the first half along
+    dim 1 of a ``[n, 2 b, h]`` tensor, rows of ``b h`` elements at a pitch of ``2 b h`` (a
+    piece of a batch, as the interleaved layer hands its transfers)."""
+    if not pitched:
+        return x.clone(memory_format=torch.contiguous_format)
+    return torch.cat([x, torch.full_like(x, float("nan"))], dim=1)[:, : x.shape[1]]
+
+
 def _starts() -> dict:
     """Every ``async_comm`` pattern's start, by name; the reduce-scatter's payload is the
     smallest, so the gather after it grows the buffer."""
@@ -83,7 +92,7 @@ def _worker(rank: int, world_size: int, expect_staged: bool) -> None:
     group = dist.new_group(list(range(world_size)))
     starts = _starts()
     seed = 0
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype, pitched in ((torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True)):
         for reverse in (False, True):
             for shape in SHAPES * 2:  # 10 shapes x 6 patterns: more transfers than SLOTS
                 seed += 1
@@ -91,15 +100,18 @@ def _worker(rank: int, world_size: int, expect_staged: bool) -> None:
                     k: _inputs(rank, shape, dtype, device, seed + i) for i, k in enumerate(starts)
                 }
                 wants = {k: _nccl(k.removesuffix("_in_place"), xs[k], group) for k in starts}
-                sent = {k: x.clone() for k, x in xs.items()}  # in place: the input is the sum
+                # in place: the input is the sum; pitched: rows sent from where they lie
+                sent = {k: _laid_out(x, pitched) for k, x in xs.items()}
                 flights = [(k, starts[k](sent[k], group)) for k in starts]
                 filler = torch.randn(512, 512, device=device) @ torch.randn(512, 512, device=device)
                 order = reversed(flights) if reverse else flights
                 results = {k: flight.finish() for k, flight in order}
                 for k in starts:
-                    what = f"{k} {shape} {dtype} reverse={reverse}"
+                    what = f"{k} {shape} {dtype} reverse={reverse} pitched={pitched}"
                     assert torch.equal(results[k], wants[k]), f"{what}: differs from NCCL's"
-                assert torch.equal(sent["all_reduce_in_place"], wants["all_reduce_in_place"])
+                if expect_staged or not pitched:  # NCCL sums rows at a pitch in a contiguous
+                    summed = sent["all_reduce_in_place"]  # copy, which the result is (async_comm)
+                    assert torch.equal(summed, wants["all_reduce_in_place"])
                 assert torch.equal(sent["all_reduce"], xs["all_reduce"]), "input changed"
                 del filler
     torch.cuda.synchronize(device)
@@ -255,7 +267,7 @@ def _shared_gpu_worker(rank: int, world_size: int) -> None:
     assert host_staged.staged_group(group, device) is not None
     starts = _starts()
     seed = 0
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype, pitched in ((torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True)):
         for reverse in (False, True):
             for shape in SHAPES:
                 rows = shape[0] * (world_size - 1) * world_size  # divides by P and P - 1
@@ -265,13 +277,13 @@ def _shared_gpu_worker(rank: int, world_size: int) -> None:
                     k: [_inputs(r, shape, dtype, "cpu", seed * 10 + i) for r in range(world_size)]
                     for i, k in enumerate(starts)
                 }
-                sent = {k: xs[rank].to(device, copy=True) for k, xs in everyone.items()}
+                sent = {k: _laid_out(xs[rank].to(device), pitched) for k, xs in everyone.items()}
                 flights = [(k, starts[k](sent[k], group)) for k in starts]
                 order = reversed(flights) if reverse else flights
                 results = {k: flight.finish().cpu() for k, flight in order}
                 for k in starts:
                     want = _reference(k.removesuffix("_in_place"), everyone[k], rank)
-                    what = f"{k} {shape} {dtype} reverse={reverse} P={world_size}"
+                    what = f"{k} {shape} {dtype} reverse={reverse} P={world_size} {pitched=}"
                     assert torch.equal(results[k], want), what
                 assert torch.equal(
                     sent["all_reduce_in_place"].cpu(), results["all_reduce_in_place"]
@@ -441,6 +453,46 @@ def test_pieces_cut_a_transfer_s_bytes_evenly_and_whole() -> None:
             sizes = [b - a for a, b in zip(bounds, bounds[1:])]
             assert bounds[0] == 0 and bounds[-1] == nbytes and len(sizes) == pieces
             assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+def test_rows_at_a_pitch_are_sent_as_their_packed_bytes(monkeypatch) -> None:
+    # _copy_piece's arithmetic on real CPU addresses: the driver's two copies done here by
+    # memmove with their documented meaning (cuMemcpyAsync: n bytes; cuMemcpy2DAsync: height
+    # rows of width bytes, each pitch apart); every piece count, so that bounds fall inside
+    # rows, must give the tensor's packed bytes. The driver's own copies: the GPU tests above
+    import ctypes
+
+    from ds_stpar.layers import host_staged
+
+    def copy_bytes(_stream, into, source, nbytes):
+        ctypes.memmove(into, source, nbytes)
+
+    def copy_rows(_stream, into, into_pitch, source, source_pitch, width, height):
+        for r in range(height):
+            ctypes.memmove(into + r * into_pitch, source + r * source_pitch, width)
+
+    monkeypatch.setattr(host_staged, "copy_bytes", copy_bytes)
+    monkeypatch.setattr(host_staged, "copy_rows", copy_rows)
+    base = torch.arange(7 * 6 * 5, dtype=torch.int16).view(7, 6, 5)
+    cases = {
+        "contiguous": (base, (7 * 6 * 5 * 2, 7 * 6 * 5 * 2)),
+        "a piece of the batch": (base[:, 2:3], (5 * 2, 6 * 5 * 2)),
+        "two of the batch": (base[:, 2:4], (2 * 5 * 2, 6 * 5 * 2)),
+        "rows of a piece": (base[1:6, 4:5], (5 * 2, 6 * 5 * 2)),
+        "transposed": (base.transpose(0, 1), None),
+        "every other column": (base[..., ::2], None),
+    }
+    for what, (t, rows) in cases.items():
+        assert host_staged._rows_of(t) == rows, what
+        if rows is None:
+            continue
+        packed = t.contiguous().view(torch.uint8)
+        for pieces in (1, 2, 3, 4, 7):
+            into = torch.zeros_like(packed)
+            bounds = host_staged._bounds(t, pieces)
+            for p in range(pieces):
+                host_staged._copy_piece(None, [(into.data_ptr(), t.data_ptr(), bounds, rows)], p)
+            assert torch.equal(into, packed), f"{what}, {pieces} pieces"
 
 
 def test_a_piece_count_the_flags_page_cannot_hold_is_refused(monkeypatch) -> None:

@@ -74,14 +74,17 @@ def _issue(collective, out: Tensor, x: Tensor, group: Group) -> _InFlight:
 
 def _or_staged(kind: str, in_place: bool = False) -> Callable:
     """A start function whose transfer is staged through host memory by the copy engines
-    where the group's transport is that (:mod:`ds_stpar.layers.host_staged`), its own
-    (NCCL's, gloo's) elsewhere."""
+    where the group's transport is that (:mod:`ds_stpar.layers.host_staged`, which sends
+    rows at a pitch, a piece of a batch, as they lie), its own (NCCL's, gloo's, on a
+    contiguous ``x``) elsewhere."""
 
     def wrap(start: Callable[[Tensor, Group], _InFlight]) -> Callable:
         @functools.wraps(start)
         def started(x: Tensor, group: Group) -> _InFlight | StagedTransfer:
             staged = staged_group(group, x.device)
-            return start(x, group) if staged is None else staged.start(kind, x, in_place)
+            if staged is None:
+                return start(x.contiguous(), group)
+            return staged.start(kind, x, in_place)
 
         return started
 
@@ -182,7 +185,7 @@ class _Start(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, transfer: Transfer, issue: Callable) -> Tensor:
         ctx.transfer = transfer
-        transfer.forward = issue(x.contiguous(), transfer.group)
+        transfer.forward = issue(x, transfer.group)
         return x.new_empty(0)
 
     @staticmethod
@@ -204,7 +207,7 @@ class _Finish(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         transfer = ctx.transfer
-        transfer.backward = ctx.adjoint(grad.contiguous(), transfer.group)
+        transfer.backward = ctx.adjoint(grad, transfer.group)
         return grad.new_empty(0), None, None
 
 
@@ -272,8 +275,8 @@ def all_reduce_start(x: Tensor, group: Group, consume: bool = False) -> tuple[Te
     """Start summing ``x`` over ``group``; returns (token, transfer) for
     :func:`all_reduce_finish`. ``consume``: ``x`` is a fresh result that nothing else reads
     or saved for its backward (a linear's output handed straight here), so the sum is made
-    in its own memory instead of a copy's; it then holds the sum (a strided ``x`` is copied
-    to a contiguous one first, which holds it instead). The backward's all-reduce
+    in its own memory instead of a copy's; it then holds the sum (over NCCL a strided ``x`` is
+    copied to a contiguous one first, which holds it instead). The backward's all-reduce
     copies its gradient either way: autograd hands the same gradient to other inputs (a
     residual add's)."""
     transfer = Transfer(group)

@@ -87,7 +87,7 @@ from torch import Tensor
 
 from ds_stpar.config import TRANSFER_TRANSPORTS as TRANSPORTS
 from ds_stpar.errors import ConfigError
-from ds_stpar.layers.stream_flags import HostFlags, copy_bytes
+from ds_stpar.layers.stream_flags import HostFlags, copy_bytes, copy_rows
 
 SLOTS = 8  # transfers in flight before a slot is written again
 PIECES = 4  # each copy in pieces, a reader's H2D of one beside the writer's D2H of the next
@@ -174,7 +174,8 @@ class HostStagedGroup:
         (``all_reduce``): the sum is made in ``x``."""
         if kind not in KINDS:
             raise ValueError(f"unknown transfer {kind!r}; one of {KINDS}")
-        x = x.contiguous()
+        if _rows_of(x) is None:  # rows at a pitch (a piece of a batch) are sent as they are
+            x = x.contiguous()
         parts = (
             list(x.chunk(self.size if kind == "reduce_scatter" else self.size - 1))
             if kind in _PER_READER
@@ -221,8 +222,8 @@ class HostStagedGroup:
     ) -> tuple[torch.cuda.Event, torch.cuda.Event]:
         """Issue exchange k: ``writes`` ``(tensor, byte offset)`` into this rank's slot,
         ``reads`` ``(peer, byte offset, tensor)`` from the peers' (module docstring's
-        streams; every tensor contiguous); the events (sent, received) for the compute
-        stream. The copies go to the driver directly (:func:`copy_bytes`), each piece of a
+        streams; what is read into contiguous, what is written contiguous or rows at a pitch,
+        :func:`_rows_of`); the events (sent, received) for the compute stream. The copies go to the driver directly (:func:`copy_bytes`), each piece of a
         tensor the same bytes on the writer's side and the reader's (:func:`_bounds`)."""
         if torch.cuda.current_device() != self.device.index:  # the driver's calls go to the
             raise RuntimeError(  # current device's context, the buffers registered there
@@ -240,7 +241,7 @@ class HostStagedGroup:
                 self._flags[r].wait(send, self._read(slot), k - SLOTS + 1)
         mine = self._flags[self.rank]
         out = [
-            (buffers.address(self.rank, slot, at), t.data_ptr(), _bounds(t, pieces))
+            (buffers.address(self.rank, slot, at), t.data_ptr(), _bounds(t, pieces), _rows_of(t))
             for t, at in writes
         ]
         for p in range(pieces):
@@ -251,7 +252,7 @@ class HostStagedGroup:
         by_peer: dict[int, list] = {}
         for r, at, t in reads:
             by_peer.setdefault(r, []).append(
-                (t.data_ptr(), buffers.address(r, slot, at), _bounds(t, pieces))
+                (t.data_ptr(), buffers.address(r, slot, at), _bounds(t, pieces), None)
             )
         for p in range(pieces):
             for r, copies in by_peer.items():
@@ -322,11 +323,50 @@ def _bounds(t: Tensor, pieces: int) -> tuple[int, ...]:
     return _piece_bounds(t.numel() * t.element_size(), pieces)
 
 
-def _copy_piece(stream: torch.cuda.Stream, copies: list[tuple[int, int, tuple]], p: int) -> None:
-    """``stream`` copies piece ``p`` of each ``(to address, from address, bounds)``."""
-    for into, source, bounds in copies:
-        if bounds[p + 1] > bounds[p]:
-            copy_bytes(stream, into + bounds[p], source + bounds[p], bounds[p + 1] - bounds[p])
+def _rows_of(t: Tensor) -> tuple[int, int] | None:
+    """``(row bytes, pitch bytes)`` where ``t``'s elements, in order, are rows of contiguous
+    bytes each ``pitch`` bytes after the previous one (a contiguous ``t``: one row, its
+    bytes); None where they are not. A piece of a batch cut along dim 1, ``[n, b/k, h]`` of
+    ``[n, b, h]``, is n rows of ``b/k h`` elements at a pitch of ``b h``: a transfer sends it
+    from where it lies (:func:`_copy_piece`), not from a contiguous copy made first
+    (BENCHMARKS.md, thirty-fifth session: such a copy of an output gradient's piece, 32 MiB at
+    h 8192 / 8K tokens, was alive through the last piece's MLP backward)."""
+    size = t.element_size()
+    if t.is_contiguous():
+        return t.numel() * size, t.numel() * size
+    dims = [(n, stride) for n, stride in zip(t.shape, t.stride(), strict=True) if n != 1]
+    row = 1
+    while dims and dims[-1][1] == row:  # the innermost dims that lie contiguous
+        row *= dims.pop()[0]
+    outer = list(zip(dims, dims[1:]))
+    if not dims or any(stride != n * inner for (_, stride), (n, inner) in outer):
+        return None  # not one run of rows (or contiguous after all, which is_contiguous says)
+    pitch = dims[-1][1]
+    return (row * size, pitch * size) if pitch >= row else None
+
+
+def _copy_piece(stream: torch.cuda.Stream, copies: list[tuple], p: int) -> None:
+    """``stream`` copies piece ``p`` of each ``(to address, from address, bounds, rows)``:
+    bytes ``bounds[p]`` to ``bounds[p + 1]`` of the source as if packed (``rows``: its
+    :func:`_rows_of`, None for contiguous), to the same offsets of the destination, which is
+    contiguous."""
+    for into, source, bounds, rows in copies:
+        start, end = bounds[p], bounds[p + 1]
+        row, pitch = rows or (0, 0)
+        if row == pitch:  # contiguous
+            if end > start:
+                copy_bytes(stream, into + start, source + start, end - start)
+            continue
+        while start < end:  # a piece's bounds may fall inside a row: those parts row by row
+            line, skip = divmod(start, row)
+            whole = (end - start) // row if skip == 0 else 0
+            if whole:
+                copy_rows(stream, into + start, row, source + line * pitch, pitch, row, whole)
+                start += whole * row
+            else:
+                part = min(row - skip, end - start)
+                copy_bytes(stream, into + start, source + line * pitch + skip, part)
+                start += part
 
 
 @functools.lru_cache(maxsize=256)

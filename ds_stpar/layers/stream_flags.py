@@ -1,6 +1,7 @@
 """GPU-side waits for, and writes of, 32-bit flags in page-locked host memory: CUDA's stream
 memory operations (``cuStreamWaitValue32`` / ``cuStreamWriteValue32``) through the driver,
-and the copies between them (``cuMemcpyAsync``, :func:`copy_bytes`).
+and the copies between them (``cuMemcpyAsync``, :func:`copy_bytes`; ``cuMemcpy2DAsync``,
+:func:`copy_rows`).
 
 Why. A stream can wait for another process's work through an IPC event only once that
 process's host has recorded the event, so the waiting host must first learn that it has: the
@@ -26,6 +27,32 @@ _WRITE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: earlier writes of the str
 _REGISTER_PORTABLE_MAPPED = 0x3  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
 
+class _Memcpy2D(ctypes.Structure):
+    """The driver's ``CUDA_MEMCPY2D``."""
+
+    _fields_ = [
+        ("srcXInBytes", ctypes.c_size_t),
+        ("srcY", ctypes.c_size_t),
+        ("srcMemoryType", ctypes.c_int),
+        ("srcHost", ctypes.c_void_p),
+        ("srcDevice", ctypes.c_uint64),
+        ("srcArray", ctypes.c_void_p),
+        ("srcPitch", ctypes.c_size_t),
+        ("dstXInBytes", ctypes.c_size_t),
+        ("dstY", ctypes.c_size_t),
+        ("dstMemoryType", ctypes.c_int),
+        ("dstHost", ctypes.c_void_p),
+        ("dstDevice", ctypes.c_uint64),
+        ("dstArray", ctypes.c_void_p),
+        ("dstPitch", ctypes.c_size_t),
+        ("WidthInBytes", ctypes.c_size_t),
+        ("Height", ctypes.c_size_t),
+    ]
+
+
+_UNIFIED = 4  # CU_MEMORYTYPE_UNIFIED: an address of the unified space, host or device
+
+
 @functools.cache
 def _driver() -> ctypes.CDLL:
     driver = ctypes.CDLL("libcuda.so.1")
@@ -35,6 +62,7 @@ def _driver() -> ctypes.CDLL:
         ("cuStreamWriteValue32_v2", [ctypes.c_void_p, u64, u32, ctypes.c_uint]),
         ("cuMemHostGetDevicePointer_v2", [ctypes.POINTER(u64), ctypes.c_void_p, ctypes.c_uint]),
         ("cuMemcpyAsync", [u64, u64, ctypes.c_size_t, ctypes.c_void_p]),
+        ("cuMemcpy2DAsync_v2", [ctypes.POINTER(_Memcpy2D), ctypes.c_void_p]),
     ):
         getattr(driver, name).argtypes = args
         getattr(driver, name).restype = ctypes.c_int
@@ -102,3 +130,28 @@ def copy_bytes(stream: torch.cuda.Stream, destination: int, source: int, nbytes:
     _check(
         _driver().cuMemcpyAsync(destination, source, nbytes, stream.cuda_stream), "cuMemcpyAsync"
     )
+
+
+def copy_rows(
+    stream: torch.cuda.Stream,
+    destination: int,
+    destination_pitch: int,
+    source: int,
+    source_pitch: int,
+    width: int,
+    height: int,
+) -> None:
+    """``stream`` copies ``height`` rows of ``width`` bytes, each ``source_pitch`` bytes after
+    the previous one at ``source``, to rows ``destination_pitch`` apart at ``destination``
+    (``cuMemcpy2DAsync``: one copy-engine transfer; addresses as :func:`copy_bytes`'s)."""
+    copy = _Memcpy2D(
+        srcMemoryType=_UNIFIED,
+        srcDevice=source,
+        srcPitch=source_pitch,
+        dstMemoryType=_UNIFIED,
+        dstDevice=destination,
+        dstPitch=destination_pitch,
+        WidthInBytes=width,
+        Height=height,
+    )
+    _check(_driver().cuMemcpy2DAsync_v2(ctypes.byref(copy), stream.cuda_stream), "cuMemcpy2DAsync")
