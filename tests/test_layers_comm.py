@@ -33,8 +33,6 @@ from ds_stpar.layers.async_comm import (
     gather_start,
     reduce_others_finish,
     reduce_others_start,
-    reduce_scatter_finish,
-    reduce_scatter_start,
 )
 from ds_stpar.layers.cannon import _plan, cannon_column_linear, cannon_row_linear
 from ds_stpar.layers.comm import (
@@ -85,24 +83,24 @@ def _check_gather_scatter(group, tag: int) -> None:
 
 
 def _check_async_transfers(group, tag: int) -> None:
-    """async_comm's gather and reduce-scatter split into start and finish, both in flight at
-    once and finished in the other order, forward and backward (the adjoints swap roles);
-    the all-reduce pair, whose adjoint is itself, leaves its input as it was."""
+    """async_comm's gather split into start and finish, two in flight at once and finished in
+    the other order, forward and backward (its adjoint, the reduce-scatter, started by the
+    finish's backward); the all-reduce pair, whose adjoint is itself, leaves its input as it
+    was."""
     size, me = group.size(), group.rank()
     x = _data(tag + me, (2, 3)).requires_grad_()
-    z = _data(tag + 200 + me, (2 * size, 3)).requires_grad_()
-    gather = gather_start(x, group)
-    scatter = reduce_scatter_start(z, group)
-    summed = reduce_scatter_finish(*scatter)
-    gathered = gather_finish(*gather)
+    z = _data(tag + 200 + me, (2, 3)).requires_grad_()
+    first, second = gather_start(x, group), gather_start(z, group)
+    second_rows = gather_finish(*second)
+    gathered = gather_finish(*first)
     assert torch.equal(gathered, torch.cat([_data(tag + e, (2, 3)) for e in range(size)]))
-    expect = sum(_data(tag + 200 + e, (2 * size, 3))[2 * me : 2 * me + 2] for e in range(size))
-    assert torch.equal(summed, expect), "async reduce-scatter value"
-    grads = _data(tag + 50 + me, (2 * size, 3)), _data(tag + 300 + me, (2, 3))
-    torch.autograd.backward([gathered, summed], list(grads))
+    assert torch.equal(second_rows, torch.cat([_data(tag + 200 + e, (2, 3)) for e in range(size)]))
+    grads = _data(tag + 50 + me, (2 * size, 3)), _data(tag + 300 + me, (2 * size, 3))
+    torch.autograd.backward([gathered, second_rows], list(grads))
     expect = sum(_data(tag + 50 + e, (2 * size, 3))[2 * me : 2 * me + 2] for e in range(size))
     assert torch.equal(x.grad, expect), "async gather grad"
-    assert torch.equal(z.grad, torch.cat([_data(tag + 300 + e, (2, 3)) for e in range(size)]))
+    expect = sum(_data(tag + 300 + e, (2 * size, 3))[2 * me : 2 * me + 2] for e in range(size))
+    assert torch.equal(z.grad, expect), "async gather grad, finished first"
 
     v = _data(tag + 400 + me, (2, 3)).requires_grad_()
     total = all_reduce_finish(*all_reduce_start(v, group))

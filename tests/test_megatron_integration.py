@@ -81,7 +81,7 @@ def _record_pieces(layers, calls: list[int]) -> None:
 
 
 # the interleaved layer's transfers
-TRANSFERS = ("gather", "gather_others", "all_reduce", "reduce_scatter", "reduce_others")
+TRANSFERS = ("gather", "gather_others", "all_reduce", "reduce_others")
 
 
 @contextlib.contextmanager
@@ -111,11 +111,10 @@ def _counted_transfers():
 
 def _interleaved_transfers(layers: int, pieces: int, recompute: str) -> dict[str, int]:
     """Transfers per forward of a block of interleaved layers: handed on from layer to layer
-    (at the block's ends one gather and one reduction per piece, the first piece's gather
-    and the last piece's reduction of the other ranks' rows only; two all-reduces per piece
-    per layer but the last), or per layer under full recompute, each layer run twice."""
-    ends = {"gather": pieces - 1, "gather_others": 1, "reduce_scatter": pieces - 1}
-    ends["reduce_others"] = 1
+    (at the block's ends one gather and one reduction per piece, the first piece's gather of
+    the other ranks' rows only, every reduction of those rows only; two all-reduces per
+    piece per layer but the last), or per layer under full recompute, each layer run twice."""
+    ends = {"gather": pieces - 1, "gather_others": 1, "reduce_others": pieces}
     if recompute == "full":
         return {kind: 2 * layers * n for kind, n in {**ends, "all_reduce": pieces}.items()}
     return {**ends, "all_reduce": (2 * layers - 1) * pieces}
@@ -392,10 +391,10 @@ def _hand_on_landings(rank: int, world: int) -> None:
         with _counted_transfers() as transfers:
             handed = run(block)
         # per forward (run makes two): 4 pieces after 2, the second layer lands the first
-        # one's 2 pieces and gathers 4 itself; a layer's first piece gathers and the last
-        # piece of a layer that does not hand on reduces the other ranks' rows only
+        # one's 2 pieces and gathers 4 itself; a layer's first piece gathers, and every piece
+        # of a layer that does not hand on reduces, the other ranks' rows only
         gathers = 1 + (second - 1 if second == 4 else 0)
-        ends = {"reduce_scatter": second - 1, "reduce_others": 1}
+        ends = {"reduce_others": second}
         others = {"gather_others": 1 + (second == 4)}
         expect = {"gather": gathers, **others, "all_reduce": 4 + second, **ends}
         assert transfers == {kind: 2 * n for kind, n in expect.items()}, (second, transfers)
@@ -581,7 +580,8 @@ def _backward_order(rank: int, world: int) -> None:
     piece's own rows' MLP backward before it issues any other transfer (a collective queued
     behind the first on NCCL's stream would hold the own rows' kernels behind it on the GPU),
     and it ends by issuing the first piece's reduction of the other ranks' rows and running
-    the own rows' QKV backward before waiting for it."""
+    the own rows' QKV backward before waiting for it; every piece but the first makes its
+    weight gradients before its input gradients."""
     from megatron.core import parallel_state
 
     from ds_stpar.layers import async_comm, local
@@ -606,7 +606,8 @@ def _backward_order(rank: int, world: int) -> None:
     record(async_comm._Start, "backward", lambda ctx: "wait")
     rows = lambda ctx: ctx.saved_tensors[0].shape[0]  # noqa: E731
     record(local._ActivationLinear, "backward", lambda ctx: f"fc2 {rows(ctx)}")
-    record(local._LocalLinear, "backward", lambda ctx: f"linear {rows(ctx)}")
+    first = lambda ctx: " dW first" if ctx.weight_grad_first else ""  # noqa: E731
+    record(local._LocalLinear, "backward", lambda ctx: f"linear {rows(ctx)}{first(ctx)}")
     try:
         out.backward(torch.randn_like(out))
     finally:
@@ -620,6 +621,11 @@ def _backward_order(rank: int, world: int) -> None:
     assert events[last] == "issue start_reduce_others", events
     # the own rows' QKV backward (its saved rows: this rank's) runs before the last wait
     assert events[-1] == "wait" and f"linear {own}" in events[last:-1], events
+    # every piece but the first (A) makes dW before dX: in the backward's order B's own and
+    # other rows' fc1, A's fc1, B's projection and QKV, A's projection, A's QKV of the other
+    # ranks' rows and of its own
+    firsts = [event.endswith("dW first") for event in events if event.startswith("linear")]
+    assert firsts == [True, True, False, True, True, False, False, False], events
     parallel_state.destroy_model_parallel()
 
 

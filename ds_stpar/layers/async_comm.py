@@ -11,9 +11,9 @@ Four patterns: Megatron's sequence-parallel pair, (P-1)/P of the tensor per rank
 composition, and the pair without this rank's own chunk:
 
 - **gather**: chunk d ``[n, ...]`` -> ``[P n, ...]`` in rank order; backward: the
-  reduce-scatter of the gradient.
-- **reduce-scatter**: this rank's terms ``[P n, ...]`` -> chunk d of the sum over ranks
-  ``[n, ...]``; backward: the gather of the gradient.
+  reduce-scatter of the gradient (this rank's terms ``[P n, ...]`` -> chunk d of the sum
+  over ranks ``[n, ...]``). The interleaved layer reduces its outputs as the others' rows
+  (below), so the reduce-scatter runs only as this adjoint.
 - **all-reduce**: the sum on every rank (a reduce-scatter then a gather, in one collective);
   backward: the all-reduce of the gradient.
 - **the others' rows**, a gather and a reduce-scatter that leave this rank's own chunk out,
@@ -221,20 +221,6 @@ def gather_start(x: Tensor, group: Group) -> tuple[Tensor, Transfer]:
 def gather_finish(token: Tensor, transfer: Transfer) -> Tensor:
     """``[P n, ...]``: every rank's chunk in rank order (waits for the gather)."""
     return _Finish.apply(token, transfer, start_reduce_scatter)
-
-
-def reduce_scatter_start(x: Tensor, group: Group) -> tuple[Tensor, Transfer]:
-    """Start summing ``x`` ``[P n, ...]`` over ``group``, keeping chunk d; returns (token,
-    transfer) for :func:`reduce_scatter_finish`. Dim 0 must divide by the group size."""
-    if x.shape[0] % group.size():
-        raise ValueError(f"dim 0 of size {x.shape[0]} must divide by the group size {group.size()}")
-    transfer = Transfer(group)
-    return _Start.apply(x, transfer, start_reduce_scatter), transfer
-
-
-def reduce_scatter_finish(token: Tensor, transfer: Transfer) -> Tensor:
-    """``[n, ...]``: chunk d of the sum over ranks (waits for the reduce-scatter)."""
-    return _Finish.apply(token, transfer, start_gather)
 
 
 def gather_others_start(x: Tensor, group: Group) -> tuple[Tensor, Transfer]:

@@ -19,7 +19,7 @@ attention and the MLP are this layer's own submodules with their linears in
     others' rows of A: norm1 + QKV(A others' rows), attention(A), start all-reduce A
                                                                   (gather B travels)
     finish gather B: norm1, attention(B), start all-reduce B      (all-reduce A travels)
-    finish all-reduce A: + residual, norm2, MLP(A), start reduce-scatter A   (all-reduce B)
+    finish all-reduce A: + residual, norm2, MLP(A), start reducing A         (all-reduce B)
     finish all-reduce B: + residual, norm2, MLP(B rows of the other ranks),
                          start sending them;  land A;  MLP(B own rows)        (reduce A, B)
     finish B: the other ranks' terms + its own, + residual (own rows);  output = [A; B]
@@ -30,12 +30,16 @@ the GEMMs and norms work row by row, so the first piece gathers only the other r
 (``gather_others_start``) while its own rows run their norm and QKV GEMM, and the last piece
 runs the rows the other ranks keep first and sends this rank's terms of them
 (``reduce_others_start``: the reduce-scatter without the own term) while its own rows run
-their MLP; both move Megatron's volume, as one all-to-all each. The backward mirrors it: it
+their MLP; both move Megatron's volume, as one all-to-all each. The other pieces' MLP outputs
+are reduced the same way, their other rows sent and the own term added when they land
+(:func:`_own_term`), for the backward's memory. The backward mirrors it: it
 starts with the last piece's own rows, whose output gradient is local, while the other
 ranks' gradient rows arrive, and ends with the first piece's own QKV GEMM while the others'
 input gradients travel (the adjoints of a gather and a reduce-scatter had nothing to hide
 behind). The other pieces land before the last piece's own rows run, which puts the own
-rows' backward ahead of the other pieces' gathers on the compute stream (``_last_piece``).
+rows' backward ahead of the other pieces' output-gradient transfers on the compute stream
+(``_last_piece``). Every piece but the first makes its weight gradients before its input
+gradients (``_pieces``).
 Over the slow link (2 x H100, twenty-seventh session, call 169) this took a layer from
 1.19-1.20x Megatron TP2 + SP to 1.242-1.295x at h 8192 and from 1.37-1.42x to 1.43-1.475x
 at h 4096; over NVLink, where the planner does not choose the layer, 0.89-0.98x against
@@ -134,8 +138,6 @@ from ds_stpar.layers.async_comm import (
     gather_start,
     reduce_others_finish,
     reduce_others_start,
-    reduce_scatter_finish,
-    reduce_scatter_start,
 )
 from ds_stpar.layers.linear import TemporalColumnParallelLinear, TemporalLinear
 from ds_stpar.layers.local import LocalCompute
@@ -152,13 +154,14 @@ ATTENTION_KWARGS = (
 @contextmanager
 def local_compute(*modules: torch.nn.Module):
     """Every temporal linear inside ``modules`` runs only its local GEMM while the layer runs,
-    each weight's gradient summed over its uses in one tensor (one :class:`LocalCompute`)."""
+    each weight's gradient summed over its uses in one tensor; yields the call's
+    :class:`LocalCompute`."""
     linears = [m for module in modules for m in module.modules() if isinstance(m, TemporalLinear)]
     call = LocalCompute()
     for linear in linears:
         linear.local_compute = call
     try:
-        yield
+        yield call
     finally:
         for linear in linears:
             linear.local_compute = None
@@ -335,7 +338,7 @@ class InterleavedTransformerLayer(TransformerLayer):
         masks = _split_mask(kwargs.pop("attention_mask", None), hidden_states.shape[1], count)
         extra = {name: kwargs[name] for name in ATTENTION_KWARGS if kwargs.get(name) is not None}
         hand_on = self._hand_on_now()
-        with local_compute(self.self_attention, self.mlp):
+        with local_compute(self.self_attention, self.mlp) as call:
             if handoff is None:
                 first, *rest = hidden_states.chunk(count, dim=1)
                 arrivals = [self._first_piece(first, group)]  # issued before the others' gathers
@@ -343,7 +346,7 @@ class InterleavedTransformerLayer(TransformerLayer):
             else:
                 arrivals = [partial(_plain, arrive) for arrive in handoff.arrivals]
                 handoff = None
-            output = self._pieces(arrivals, group, masks, extra, hand_on)
+            output = self._pieces(arrivals, group, masks, extra, hand_on, call)
         if hand_on:
             return HandoffTensor.carrying(output, like=hidden_states), None
         output = make_viewless_tensor(
@@ -351,12 +354,21 @@ class InterleavedTransformerLayer(TransformerLayer):
         )
         return output, None
 
-    def _pieces(self, arrivals: list, group, masks: list, extra: dict, hand_on: bool):
+    def _pieces(
+        self, arrivals: list, group, masks: list, extra: dict, hand_on: bool, call: LocalCompute
+    ):
         """The interleaved schedule of the module docstring over the pieces ``arrivals``
-        give; the output rows ``[s/P, b, h]``, or the pieces in flight when ``hand_on``."""
+        give; the output rows ``[s/P, b, h]``, or the pieces in flight when ``hand_on``.
+
+        Every piece but the first makes its weight gradients before its input gradients
+        (``call.weight_grad_first``, :func:`~ds_stpar.layers.local.local_linear`): less
+        memory in the backward, whose transfers for those pieces hide behind the first
+        piece's backward, which follows; the first piece's input gradients feed the
+        layer's last transfers, which only its own remaining work hides."""
         sums, residuals = [], []
         attention = self.self_attention
         for index, mask in enumerate(masks):
+            call.weight_grad_first = index > 0
             (full, qkv), arrivals[index] = arrivals[index](), None  # free what the arrival holds
             if qkv is None:
                 out, bias = attention(self.input_layernorm(full), attention_mask=mask, **extra)
@@ -370,6 +382,7 @@ class InterleavedTransformerLayer(TransformerLayer):
             zip(sums, residuals, strict=True)
         ):
             middle = self._add(self.self_attn_bda, all_reduce_finish(token, transfer), bias, full)
+            call.weight_grad_first = index > 0
             if not hand_on and index == len(sums) - 1:
                 return torch.cat(self._last_piece(middle, group, landings), dim=1)
             # the own rows, this piece's residual at the output, are cut before the MLP runs:
@@ -381,8 +394,9 @@ class InterleavedTransformerLayer(TransformerLayer):
             if hand_on:
                 summed = all_reduce_start(out, group, consume=True)
                 land = (all_reduce_finish, *summed, bias, middle)
-            else:
-                land = (reduce_scatter_finish, *reduce_scatter_start(out, group), bias, own)
+            else:  # the reduce-scatter as its two halves, the own term kept here (_own_term)
+                own_out, others = _own_term(out, group)
+                land = (partial(_plus, own_out), *reduce_others_start(others, group), bias, own)
             landings.append(partial(self._land, *land))
         return Handoff(landings, group)
 
@@ -410,10 +424,10 @@ class InterleavedTransformerLayer(TransformerLayer):
         ``[s/P, b/k, h]`` while those travel; returns every piece's output rows.
 
         The other pieces land before the own rows run, so that the backward (newest node
-        first) runs the own rows' MLP before it issues the other pieces' gathers: queued
-        behind this piece's transfer on NCCL's stream, a gather's launch would hold the
-        compute stream's kernels behind it too (``CUDA_DEVICE_MAX_CONNECTIONS=1``: one
-        hardware queue), as it did before this order (twenty-seventh session, call 167)."""
+        first) runs the own rows' MLP before it issues the other pieces' output-gradient
+        transfers: queued behind this piece's transfer on NCCL's stream, such a launch would
+        hold the compute stream's kernels behind it too (``CUDA_DEVICE_MAX_CONNECTIONS=1``:
+        one hardware queue), as it did before this order (twenty-seventh session, call 167)."""
         before, own, after = _rows_around_own(middle, group)
         outs = [self.mlp(self.pre_mlp_layernorm(rows)) for rows in (before, after) if len(rows)]
         others = outs[0][0] if len(outs) == 1 else torch.cat([out for out, _ in outs])
@@ -448,6 +462,23 @@ def _rows_around_own(full: Tensor, group) -> tuple[Tensor, Tensor, Tensor]:
     rows, me = full.shape[0] // group.size(), group.rank()
     before, own, after = torch.split(full, [me * rows, rows, full.shape[0] - (me + 1) * rows])
     return before, own, after
+
+
+def _own_term(out: Tensor, group) -> tuple[Tensor, Tensor]:
+    """A piece's MLP output ``[s, ...]`` (this rank's terms of every row) as (its terms for
+    its own rows, for the other ranks' rows in rank order), the reduce-scatter's operands
+    when the own term stays here: :func:`reduce_others_start` sends the others' and
+    ``_plus`` adds the own one to what arrives (Megatron's volume, the own term's add as
+    the reduce-scatter's). Why not the reduce-scatter: its backward gathers the output
+    gradient into one ``[s, ...]`` buffer, allocated when the gather is issued, which at
+    h 8192 / 8K tokens (TP2) held 64 MiB through the last piece's MLP backward; the
+    adjoint here receives the others' rows only (32 MiB), this rank's gradient rows are
+    the caller's, and the ``[s, ...]`` gradient is made (the split's backward) only where
+    this piece's MLP backward takes it (BENCHMARKS.md, thirty-fifth session). At P > 2 the
+    others' rows are copied together (the own chunk lies between them)."""
+    before, own, after = _rows_around_own(out, group)
+    others = [part for part in (before, after) if len(part)]
+    return own, others[0] if len(others) == 1 else torch.cat(others)
 
 
 def _with_own(others: Tensor, own: Tensor, cut: int) -> Tensor:
