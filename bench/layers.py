@@ -479,8 +479,9 @@ class Runtime:
         return torch.cuda.max_memory_allocated(self.device) if self.cuda else 0
 
     def release_gemm_workspaces(self) -> int:
-        """Free cuBLAS's workspaces (one per stream a GEMM ran on, 33 MiB each on an H200 with
-        torch 2.11: call 225); returns the bytes they held. A process allocates them once, at
+        """Free cuBLAS's workspaces (per stream a GEMM ran on: 32 MiB for cuBLAS and 1 MiB for
+        cuBLASLt on an H200 with torch 2.11, call 225; Megatron's layer and the interleaved one
+        made 64 MiB); returns the bytes they held. A process allocates them once, at
         its first GEMM on each stream, and keeps them: left in, a variant's peak would count
         them or not by whether an earlier case of the same process had run GEMMs on its
         streams (Megatron TP2+SP at h 8192 / 8K measured 2.5636 GiB first in its process and

@@ -481,6 +481,8 @@ def test_rows_at_a_pitch_are_sent_as_their_packed_bytes(monkeypatch) -> None:
         "rows of a piece": (base[1:6, 4:5], (5 * 2, 6 * 5 * 2)),
         "transposed": (base.transpose(0, 1), None),
         "every other column": (base[..., ::2], None),
+        "expanded rows (stride 0)": (base[:, :1].expand(7, 6, 5), None),
+        "an expanded row": (base[0, 0].expand(4, 5), None),
     }
     for what, (t, rows) in cases.items():
         assert host_staged._rows_of(t) == rows, what

@@ -179,6 +179,14 @@ def test_activation_backward_in_row_chunks_matches_float64(rows_per_chunk) -> No
     _close(wgrad.grad, w64.grad, f"dW2, {rows_per_chunk} rows a chunk")
 
 
+def test_activation_backward_of_no_rows_gives_a_zero_weight_gradient() -> None:
+    # an empty piece still hands its (zero) dW2 in, as the whole-rows backward did
+    wgrad = WeightGrad(torch.zeros(5, 4), None)
+    a, dy, w2 = torch.zeros(0, 8), torch.zeros(0, 5), torch.randn(5, 4)
+    da = activation_backward(CLOSED_FORM_SWIGLU, a, dy, w2, wgrad, rows_per_chunk=3)
+    assert da.shape == (0, 8) and torch.equal(wgrad.grad, torch.zeros(5, 4))
+
+
 def test_activation_linear_backward_holds_one_chunk_of_act(monkeypatch) -> None:
     # act(a) and dy W2 of 64 rows x 256 fp32 features (64 KiB each) made whole, or in 8
     # chunks of 8 rows (8 KiB): the CPU profiler's count is exact to the byte; the backward's

@@ -642,7 +642,7 @@ def test_interleaved_layers_hand_on_within_each_pipeline_stage():
 
 
 def test_interleaved_layer_matches_megatron_at_tp4():
-    # 4 ranks: the pieces' gathers, all-reduces and reduce-scatters over more than one
+    # 4 ranks: the pieces' gathers, all-reduces and reductions over more than one
     # neighbour, ranks 1 and 2 holding middle chunks (their own rows and the residual slice
     # sit between the others'), 4 pieces of a batch of 4 as well as 2.
     # 3 layers: the middle one takes its input in flight and hands its output on.

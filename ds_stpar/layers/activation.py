@@ -109,7 +109,7 @@ def activation_backward(
     if isinstance(act, ClosedFormActivation):
         rows = a.shape[0] if rows_per_chunk is None else max(1, rows_per_chunk)
         da = a if overwrite else torch.empty_like(a)
-        for start in range(0, a.shape[0], rows):
+        for start in range(0, max(1, a.shape[0]), rows):  # no rows: one empty chunk, dW2 0
             a_rows, dy_rows = a[start : start + rows], dy[start : start + rows]
             if wgrad2 is not None:
                 wgrad2.add(dy_rows, act(a_rows))

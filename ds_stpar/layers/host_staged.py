@@ -241,7 +241,7 @@ class HostStagedGroup:
                 self._flags[r].wait(send, self._read(slot), k - SLOTS + 1)
         mine = self._flags[self.rank]
         out = [
-            (buffers.address(self.rank, slot, at), t.data_ptr(), _bounds(t, pieces), _rows_of(t))
+            (buffers.address(self.rank, slot, at), t.data_ptr(), _bounds(t, pieces), _rows(t))
             for t, at in writes
         ]
         for p in range(pieces):
@@ -343,6 +343,14 @@ def _rows_of(t: Tensor) -> tuple[int, int] | None:
         return None  # not one run of rows (or contiguous after all, which is_contiguous says)
     pitch = dims[-1][1]
     return (row * size, pitch * size) if pitch >= row else None
+
+
+def _rows(t: Tensor) -> tuple[int, int]:
+    """:func:`_rows_of` for a tensor a transfer writes, which must be rows at a pitch."""
+    rows = _rows_of(t)
+    if rows is None:
+        raise ValueError(f"a staged write of strides {t.stride()} is not rows at a pitch")
+    return rows
 
 
 def _copy_piece(stream: torch.cuda.Stream, copies: list[tuple], p: int) -> None:

@@ -46,7 +46,7 @@ at h 4096; over NVLink, where the planner does not choose the layer, 0.89-0.98x 
 0.93-1.01x (call 170).
 
 In a stack the layer hands on. A layer followed by another interleaved layer in its block
-(``hands_on``) ends with an all-reduce per piece instead of the reduce-scatter, and returns
+(``hands_on``) ends with an all-reduce per piece instead of the reduction, and returns
 before waiting for it: its output is a placeholder ``[s/P, b, h]`` (NaN, zero storage)
 carrying the pieces in flight (:class:`Handoff`). The next layer takes them instead of
 gathering, and finishes each piece's all-reduce and residual add only when it reaches that
@@ -513,7 +513,7 @@ def _given_output(linear: torch.nn.Module, output: tuple):
 
 
 def _plus(own: Tensor, token: Tensor, transfer) -> Tensor:
-    """Chunk d of the last piece's reduction: the other ranks' terms, landed, and this rank's."""
+    """Chunk d of a piece's reduction: the other ranks' terms, landed, and this rank's."""
     return reduce_others_finish(token, transfer) + own
 
 

@@ -60,8 +60,9 @@ ACTIVATION_CHUNKS = 2
 each) in: each is alive one chunk at a time. Each chunk past the first adds one more pass
 over the weight gradient (dW2 += dy_c^T act(a_c) reads and writes all of it), so few: at
 h 8192 / 8K tokens (TP2) an interleaved layer's pieces made 64 and 128 MiB of each at once,
-32-64 MiB above 0.85x Megatron TP2 + SP's peak; in halves they lie below it. In 16 MiB chunks
-(4-16 of them) the layer ran 4% slower (BENCHMARKS.md, thirty-fifth session)."""
+about 32 MiB above 0.85x Megatron TP2 + SP's peak; in halves they lie below it. In 16 MiB
+chunks (4-16 of them) the layer ran 4-5% slower (BENCHMARKS.md, thirty-fifth session). A bf16
+weight gradient without ``main_grad`` takes one more bf16 rounding per chunk, as per use."""
 
 
 def _tokens(x: Tensor) -> Tensor:
@@ -137,7 +138,7 @@ def local_linear(
     then dW first, so that dX ``[..., K]`` and the remade input are never alive together,
     nor dX beside the weight gradient's first allocation (where the use makes it). For an
     interleaved layer's pieces after the first, whose input gradients' transfers hide behind
-    the earlier pieces' backward anyway: at h 8192 / 8K tokens (TP2) the piece B QKV
+    the earlier pieces' backward anyway: at h 8192 / 8K tokens (TP2) piece B's QKV
     backward held dX, the remade norm and the 192 MiB weight gradient together, the layer's
     backward peak (BENCHMARKS.md, thirty-fifth session)."""
     return _LocalLinear.apply(x, weight, _use(weight, grads), recipe_of(x), weight_grad_first)

@@ -320,8 +320,9 @@ def interleaved_block(
 ) -> BlockTP:
     """The interleaved layer (``layers/interleave.py``), k pieces of T/k tokens: Megatron's
     GEMMs on each piece (the linears run locally), and per piece a gather of its input, an
-    all-reduce in the middle and a reduce-scatter of its output, each of S/k (S = e T h); the
-    backward runs the adjoints (reduce-scatter, all-reduce, gather) in the mirror order.
+    all-reduce in the middle and a reduce-scatter of its output (sent as the other ranks'
+    rows, the own term added where it lands), each of S/k (S = e T h); the backward runs the
+    adjoints (reduce-scatter, all-reduce, gather) in the mirror order.
     ``layers``: how many layers hand their pieces on in one block (a model chunk's; 1 under
     full recompute): the block's inner boundaries are one all-reduce each instead of a
     reduce-scatter and a gather, and the returned costs are the block's per layer.
@@ -335,8 +336,9 @@ def interleaved_block(
     whose QKV GEMM and MLP run while the others' rows travel (backward: the MLP's adjoint
     first, the QKV GEMM's last): the flow shop's ``head`` and ``tail``, 1/P of that work.
     ``attention`` and ``elementwise`` are the block's (all T tokens); the returned GEMMs are
-    the pieces' together, the communication what stays exposed beside all of it. The two
-    end transfers are priced as the gather and reduce-scatter they replace (the all-to-all
+    the pieces' together, the communication what stays exposed beside all of it. The
+    transfers of the other ranks' rows (the first piece's gather, every piece's reduction)
+    are priced as the gather and reduce-scatter they replace (alone the all-to-all
     took 3.2-3.4 ms against their 2.7-2.9 ms at h 8192 / 16K over the slow link, call 169's
     trace; beside GEMMs the all-to-all was no slower than the gather, call 181)."""
     k, e = pieces, speed.e
