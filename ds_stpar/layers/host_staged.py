@@ -223,7 +223,8 @@ class HostStagedGroup:
         """Issue exchange k: ``writes`` ``(tensor, byte offset)`` into this rank's slot,
         ``reads`` ``(peer, byte offset, tensor)`` from the peers' (module docstring's
         streams; what is read into contiguous, what is written contiguous or rows at a pitch,
-        :func:`_rows_of`); the events (sent, received) for the compute stream. The copies go to the driver directly (:func:`copy_bytes`), each piece of a
+        :func:`_rows_of`); the events (sent, received) for the compute stream. The copies go
+        to the driver directly (:func:`copy_bytes`, :func:`copy_rows`), each piece of a
         tensor the same bytes on the writer's side and the reader's (:func:`_bounds`)."""
         if torch.cuda.current_device() != self.device.index:  # the driver's calls go to the
             raise RuntimeError(  # current device's context, the buffers registered there
