@@ -179,11 +179,12 @@ def test_activation_backward_in_row_chunks_matches_float64(rows_per_chunk) -> No
     _close(wgrad.grad, w64.grad, f"dW2, {rows_per_chunk} rows a chunk")
 
 
-def test_activation_backward_of_no_rows_gives_a_zero_weight_gradient() -> None:
+@pytest.mark.parametrize("rows_per_chunk", [3, None])
+def test_activation_backward_of_no_rows_gives_a_zero_weight_gradient(rows_per_chunk) -> None:
     # an empty piece still hands its (zero) dW2 in, as the whole-rows backward did
     wgrad = WeightGrad(torch.zeros(5, 4), None)
     a, dy, w2 = torch.zeros(0, 8), torch.zeros(0, 5), torch.randn(5, 4)
-    da = activation_backward(CLOSED_FORM_SWIGLU, a, dy, w2, wgrad, rows_per_chunk=3)
+    da = activation_backward(CLOSED_FORM_SWIGLU, a, dy, w2, wgrad, rows_per_chunk=rows_per_chunk)
     assert da.shape == (0, 8) and torch.equal(wgrad.grad, torch.zeros(5, 4))
 
 

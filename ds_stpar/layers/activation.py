@@ -107,7 +107,7 @@ def activation_backward(
     act(a) and dy W2, ``[T, F']`` each, are alive one chunk at a time (more kernels, each
     GEMM over fewer rows)."""
     if isinstance(act, ClosedFormActivation):
-        rows = a.shape[0] if rows_per_chunk is None else max(1, rows_per_chunk)
+        rows = max(1, a.shape[0] if rows_per_chunk is None else rows_per_chunk)
         da = a if overwrite else torch.empty_like(a)
         for start in range(0, max(1, a.shape[0]), rows):  # no rows: one empty chunk, dW2 0
             a_rows, dy_rows = a[start : start + rows], dy[start : start + rows]

@@ -317,8 +317,8 @@ def _packed(tensors: list[Tensor]) -> tuple[list[int], int]:
 
 
 def _bounds(t: Tensor, pieces: int) -> tuple[int, ...]:
-    """Byte offsets where contiguous ``t``'s ``pieces`` pieces start, and its end: its bytes
-    cut as evenly as they go (a piece may be empty, or end inside an element: the copies are
+    """Byte offsets where ``t``'s ``pieces`` pieces start, and its end: its bytes, as if
+    packed (:func:`_rows_of`), cut as evenly as they go (a piece may be empty, or end inside an element: the copies are
     of bytes), so a writer's and a reader's pieces match wherever their byte counts do,
     whatever their dtypes."""
     return _piece_bounds(t.numel() * t.element_size(), pieces)

@@ -430,7 +430,7 @@ class InterleavedTransformerLayer(TransformerLayer):
         one hardware queue), as it did before this order (twenty-seventh session, call 167)."""
         before, own, after = _rows_around_own(middle, group)
         outs = [self.mlp(self.pre_mlp_layernorm(rows)) for rows in (before, after) if len(rows)]
-        others = outs[0][0] if len(outs) == 1 else torch.cat([out for out, _ in outs])
+        others = _joined([out for out, _ in outs])
         token, transfer = reduce_others_start(others, group)
         landed = [land() for land in landings]
         own_out, bias = self.mlp(self.pre_mlp_layernorm(own))
@@ -477,8 +477,13 @@ def _own_term(out: Tensor, group) -> tuple[Tensor, Tensor]:
     this piece's MLP backward takes it (BENCHMARKS.md, thirty-fifth session). At P > 2 the
     others' rows are copied together (the own chunk lies between them)."""
     before, own, after = _rows_around_own(out, group)
-    others = [part for part in (before, after) if len(part)]
-    return own, others[0] if len(others) == 1 else torch.cat(others)
+    return own, _joined([before, after])
+
+
+def _joined(parts: list[Tensor]) -> Tensor:
+    """The non-empty ``parts`` along dim 0: the one itself (no copy) when only one is."""
+    rows = [part for part in parts if len(part)]
+    return rows[0] if len(rows) == 1 else torch.cat(rows)
 
 
 def _with_own(others: Tensor, own: Tensor, cut: int) -> Tensor:
