@@ -495,6 +495,8 @@ def test_rows_at_a_pitch_are_sent_as_their_packed_bytes(monkeypatch) -> None:
             for p in range(pieces):
                 host_staged._copy_piece(None, [(into.data_ptr(), t.data_ptr(), bounds, rows)], p)
             assert torch.equal(into, packed), f"{what}, {pieces} pieces"
+    with pytest.raises(ValueError, match="not rows at a pitch"):  # what a write refuses
+        host_staged._rows(base.transpose(0, 1))
 
 
 def test_a_piece_count_the_flags_page_cannot_hold_is_refused(monkeypatch) -> None:
