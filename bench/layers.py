@@ -404,7 +404,8 @@ class Runtime:
     pool: int
     label: str
     ring_piecing: dict[str, float]  # ring_mlp's pieces / min_piece_flop (unset: its defaults)
-    trace_dir: str | None = None  # --trace-dir: one traced step per variant there
+    trace_dir: str | None = None  # --trace-dir: trace_steps traced steps per variant there
+    trace_steps: int = 1
     host_trace: str | None = None  # --host-trace: HOST_TRACE_STEPS steps with Python stacks
     memory_trace: bool = False  # --memory-trace: one more step under the allocator's history
     shared_gpu: bool = False  # --shared-gpu: every rank on GPU 0, gloo; each step synchronised
@@ -1071,7 +1072,7 @@ def time_variant(variant: str, case: Case, rt: Runtime, async_name, full) -> Row
         name = f"{block}-{case.hidden}-{case.tokens}-{variant}-rank-{rt.rank}.json.gz"
         if rt.trace_dir:
             path = os.path.join(rt.trace_dir, f"{rt.label}-{name}")
-            profile_steps(built, xs[0], dys[0], rt, path)
+            profile_steps(built, xs[0], dys[0], rt, path, rt.trace_steps)
         if rt.host_trace:
             path = os.path.join(rt.host_trace, f"host-{name}")
             profile_steps(built, xs[0], dys[0], rt, path, HOST_TRACE_STEPS, host=True)
@@ -1311,7 +1312,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--trace-dir",
         default=None,
-        help="after timing each variant, trace one more step into this folder (bench/timeline.py)",
+        help="after timing each variant, trace --trace-steps more steps into this folder "
+        "(bench/timeline.py)",
+    )
+    parser.add_argument(
+        "--trace-steps",
+        type=int,
+        default=1,
+        help="steps per --trace-dir trace: the first starts from an idle GPU and a "
+        "synchronised host, the others back to back, as the timed steps run",
     )
     parser.add_argument(
         "--host-trace",
@@ -1339,6 +1348,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(
             "--repeats, --pool, --seq, --head-dim, --layers must be >= 1 and --warmup >= 0"
         )
+    if args.trace_steps < 1:
+        parser.error("--trace-steps must be >= 1")
     if args.memory_trace and args.cpu:
         parser.error("--memory-trace reads the CUDA allocator's history: not with --cpu")
     if args.sm_carveout is not None and (args.cpu or args.sm_carveout < 0):
@@ -1409,6 +1420,7 @@ def init_runtime(args: argparse.Namespace) -> Runtime:
         pool=args.pool,
         label=args.label,
         trace_dir=args.trace_dir,
+        trace_steps=args.trace_steps,
         host_trace=args.host_trace,
         memory_trace=args.memory_trace,
         shared_gpu=args.shared_gpu,

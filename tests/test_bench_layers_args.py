@@ -36,6 +36,12 @@ def test_trace_dir_needs_a_gpu(capsys, monkeypatch):
     assert layers.parse_args(["--cpu", "--host-trace", "/tmp/t"]).host_trace == "/tmp/t"
 
 
+def test_trace_steps_must_be_positive(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert "--trace-steps must be >= 1" in _refusal(capsys, ["--trace-steps", "0"])
+    assert layers.parse_args(["--trace-dir", "/tmp/t", "--trace-steps", "4"]).trace_steps == 4
+
+
 def test_layers_must_be_positive(capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert "--layers must be >= 1" in _refusal(capsys, ["--cpu", "--layers", "0"])
