@@ -1350,6 +1350,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     if args.trace_steps < 1:
         parser.error("--trace-steps must be >= 1")
+    if args.trace_steps != 1 and not args.trace_dir:
+        parser.error("--trace-steps counts the steps of --trace-dir's traces: give --trace-dir")
     if args.memory_trace and args.cpu:
         parser.error("--memory-trace reads the CUDA allocator's history: not with --cpu")
     if args.sm_carveout is not None and (args.cpu or args.sm_carveout < 0):

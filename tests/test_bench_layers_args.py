@@ -40,6 +40,7 @@ def test_trace_steps_must_be_positive(capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert "--trace-steps must be >= 1" in _refusal(capsys, ["--trace-steps", "0"])
     assert layers.parse_args(["--trace-dir", "/tmp/t", "--trace-steps", "4"]).trace_steps == 4
+    assert "give --trace-dir" in _refusal(capsys, ["--trace-steps", "4"])  # else ignored
 
 
 def test_layers_must_be_positive(capsys, monkeypatch):
