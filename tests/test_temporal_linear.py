@@ -464,6 +464,23 @@ def check_errors(group) -> None:
     if math.isqrt(size) ** 2 == size:
         with pytest.raises(ConfigError, match="tp_mode='ring'"):
             _column(group, "ring", 5).defer_weight_grad_of(_row(group, "cannon", 5))
+    if math.isqrt(size) > 1:  # Cannon's blocks cut the unsharded dim by q as well
+        with pytest.raises(ConfigError, match="input_size=17 must be divisible by 2"):
+            TemporalColumnParallelLinear(
+                17, FFN, config=_config(size), init_method=_init(), tp_group=group, tp_mode="cannon"
+            )
+        with pytest.raises(ConfigError, match="output_size=17 must be divisible by 2"):
+            TemporalRowParallelLinear(
+                FFN,
+                17,
+                config=_config(size),
+                init_method=_init(),
+                bias=True,
+                input_is_parallel=True,
+                skip_bias_add=False,
+                tp_group=group,
+                tp_mode="cannon",
+            )
     other = dist.new_group(list(range(dist.get_world_size())))  # collective: every rank
     with pytest.raises(ConfigError, match="one TP group"):
         _column(group, "ring", 5).defer_weight_grad_of(_row(other, "ring", 5))

@@ -29,6 +29,7 @@ share: Megatron's finalize_model_grads all-reduces it over TP, as for RowParalle
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -156,6 +157,14 @@ class TemporalLinear(torch.nn.Module):
             f"TP size {size} x stride {stride}",
         )
         self.shard_offsets = shard_offsets(tp_mode, self.partition_dim, rank, size)
+        if tp_mode == "cannon":  # blocks [out/q, in/q]: the other dim is cut too
+            q = math.isqrt(size)  # exact: shard_offsets refused a non-square group
+            _check_divisible(
+                "input_size" if self.partition_dim == 0 else "output_size",
+                input_size if self.partition_dim == 0 else output_size,
+                q,
+                f"Cannon's {q} x {q} weight blocks",
+            )
         self.master_weight = None
         if not allocate_weight:
             self.weight = None
