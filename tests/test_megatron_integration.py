@@ -2,6 +2,7 @@
 
 import contextlib
 import dataclasses
+import logging
 import math
 import os
 
@@ -11,6 +12,7 @@ import torch.distributed as dist
 
 from ds_stpar.config import Layout, ModelSpec, Strategy
 from ds_stpar.errors import ConfigError
+from ds_stpar.layers import interleave as interleave_module
 from tests.distributed import run_workers
 
 TINY_GPT = ModelSpec("tiny-gpt", 2, 64, 4, vocab_size=256, max_position_embeddings=64)
@@ -290,7 +292,30 @@ def _check_pieces(layer) -> None:
     layer.self_attention.offload_qkv_linear = False
     layer.hidden_dropout = 0.1  # a dropout mask per rank would differ between the ranks
     assert layer.train().pieces_for(hidden, {}) == 1
+    assert layer.whole_because({}) == "hidden dropout while training"
     assert layer.eval().pieces_for(hidden, {}) == 2
+    assert layer.whole_because({}) is None
+    packed = {"packed_seq_params": object(), "attention_bias": object()}
+    assert layer.whole_because(packed) == "packed_seq_params, attention_bias passed"
+    # said once per reason, on global rank 0 only
+    said: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = said.append
+    logger = logging.getLogger(interleave_module.__name__)
+    logger.addHandler(handler)
+    interleave_module._SAID.clear()  # what the runs before said
+    try:
+        for _ in range(2):
+            interleave_module._say_once(layer, hidden, (), packed)
+            interleave_module._say_once(layer, torch.empty(8, 3, 64), (), {})
+    finally:
+        logger.removeHandler(handler)
+    expect = [
+        "packed_seq_params, attention_bias passed",
+        "a micro-batch of 3 rows makes no 4 pieces",
+    ]
+    got = [record.getMessage().split(": ")[-1] for record in said]
+    assert got == (expect if dist.get_rank() == 0 else []), got
     with pytest.raises(ConfigError, match="pieces >= 2"):
         type(layer)(layer.config, layer.submodules_config, pieces=1)
 

@@ -106,11 +106,13 @@ rows, so a dropout mask drawn per rank would differ between ranks), no packed se
 packed micro-batch is one row), no inference context, cross-attention, recompute of the norms
 or the MLP, or activation offloading (the QKV linear's included), and row linears that leave
 their bias to the caller (Megatron's projection and fc2 do). Otherwise the layer is
-Megatron's ``TransformerLayer`` over the ring linears (same weights, same function).
+Megatron's ``TransformerLayer`` over the ring linears (same weights, same function), and
+global rank 0 logs why, once per reason (``InterleavedTransformerLayer.whole_because``).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -252,6 +254,28 @@ class HandoffTensor(torch.Tensor):
         return func(*args, **kwargs)
 
 
+_SAID: set[str] = set()
+
+
+def _say_once(
+    layer: InterleavedTransformerLayer, hidden: Tensor, args: tuple, kwargs: dict
+) -> None:
+    """Log on global rank 0, once per reason, that an interleaved layer ran Megatron's forward
+    and why: the layout asked for pieces, and the step runs without their overlap."""
+    if args:
+        reason = "positional arguments after the hidden states"
+    else:
+        reason = layer.whole_because(kwargs) or (
+            f"a micro-batch of {hidden.shape[1]} rows makes no {layer.pieces} pieces"
+        )
+    if reason in _SAID or (torch.distributed.is_initialized() and torch.distributed.get_rank()):
+        return
+    _SAID.add(reason)
+    logging.getLogger(__name__).warning(
+        "ds_stpar: an interleaved layer runs Megatron's forward (not in pieces): %s", reason
+    )
+
+
 def _landed(value):
     return value.land() if isinstance(value, HandoffTensor) else value
 
@@ -295,28 +319,44 @@ class InterleavedTransformerLayer(TransformerLayer):
 
     def pieces_for(self, hidden_states: Tensor, kwargs: dict) -> int:
         """How many pieces this call runs in; 1: Megatron's forward (module docstring)."""
+        if self.whole_because(kwargs) is not None:
+            return 1
+        return math.gcd(hidden_states.shape[1], self.pieces)
+
+    def whole_because(self, kwargs: dict) -> str | None:
+        """Why a call with these keyword arguments cannot run in pieces (the first reason the
+        module docstring gives that holds), or None when it can."""
         group = self._tp_group()
-        rows_linears = (self.self_attention.linear_proj, self.mlp.linear_fc2)
-        unsupported = ("context", "inference_context", "packed_seq_params", "attention_bias")
-        supported = (
-            group is not None
-            and group.size() > 1
-            and not any(kwargs.get(name) is not None for name in unsupported)
-            and kwargs.get("inference_params") is None
-            and isinstance(self.pre_cross_attn_layernorm, IdentityOp)
-            and not self.recompute_input_layernorm
-            and not self.recompute_pre_mlp_layernorm
-            and not self.recompute_mlp
-            and not self.offload_attn_norm
-            and not getattr(self.self_attention, "offload_qkv_linear", False)
-            and not self.offload_mlp_norm
-            and not (self.training and self.hidden_dropout > 0)
-            and all(
-                isinstance(m, TemporalLinear) and (m.bias is None or m.skip_bias_add)
-                for m in rows_linears
-            )
+        unsupported = (
+            "context",
+            "inference_context",
+            "inference_params",
+            "packed_seq_params",
+            "attention_bias",
         )
-        return math.gcd(hidden_states.shape[1], self.pieces) if supported else 1
+        passed = [name for name in unsupported if kwargs.get(name) is not None]
+        recomputed = self.recompute_input_layernorm or self.recompute_pre_mlp_layernorm
+        offloaded = self.offload_attn_norm or self.offload_mlp_norm
+        offloaded = offloaded or getattr(self.self_attention, "offload_qkv_linear", False)
+        rows_linears = (self.self_attention.linear_proj, self.mlp.linear_fc2)
+        for holds, reason in (
+            (group is None or group.size() == 1, "no temporal QKV linear in a TP group of P > 1"),
+            (bool(passed), f"{', '.join(passed)} passed"),
+            (not isinstance(self.pre_cross_attn_layernorm, IdentityOp), "cross-attention"),
+            (recomputed or self.recompute_mlp, "norm or MLP recompute"),
+            (offloaded, "activation offloading"),
+            (self.training and self.hidden_dropout > 0, "hidden dropout while training"),
+            (
+                not all(
+                    isinstance(m, TemporalLinear) and (m.bias is None or m.skip_bias_add)
+                    for m in rows_linears
+                ),
+                "a row linear that adds its own bias (or is not a temporal linear)",
+            ),
+        ):
+            if holds:
+                return reason
+        return None
 
     def _hand_on_now(self) -> bool:
         """Whether this call hands on: the block calls the next layer directly (module
@@ -333,6 +373,7 @@ class InterleavedTransformerLayer(TransformerLayer):
             else:  # landed already, or this call runs otherwise: from the real rows
                 hidden_states = hidden_states.land()
         if count == 1:
+            _say_once(self, hidden_states, args, kwargs)
             return super().forward(hidden_states, *args, **kwargs)
         group = self._tp_group()
         masks = _split_mask(kwargs.pop("attention_mask", None), hidden_states.shape[1], count)
