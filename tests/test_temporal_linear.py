@@ -464,12 +464,13 @@ def check_errors(group) -> None:
     if math.isqrt(size) ** 2 == size:
         with pytest.raises(ConfigError, match="tp_mode='ring'"):
             _column(group, "ring", 5).defer_weight_grad_of(_row(group, "cannon", 5))
-    if math.isqrt(size) > 1:  # Cannon's blocks cut the unsharded dim by q as well
-        with pytest.raises(ConfigError, match="input_size=17 must be divisible by 2"):
+    q = math.isqrt(size)
+    if q > 1 and q * q == size:  # Cannon's blocks cut the unsharded dim by q as well
+        with pytest.raises(ConfigError, match=f"input_size=17 must be divisible by {q}"):
             TemporalColumnParallelLinear(
                 17, FFN, config=_config(size), init_method=_init(), tp_group=group, tp_mode="cannon"
             )
-        with pytest.raises(ConfigError, match="output_size=17 must be divisible by 2"):
+        with pytest.raises(ConfigError, match=f"output_size=17 must be divisible by {q}"):
             TemporalRowParallelLinear(
                 FFN,
                 17,
