@@ -108,10 +108,12 @@ def _set_bias(layer, ref, cols: torch.Tensor | None) -> None:
         layer.bias.copy_(ref.bias[cols] if cols is not None else ref.bias)
 
 
-def _column(group, mode, seed, *, out=FFN, stride=1, skip_bias_add=False, fusion=False):
+def _column(
+    group, mode, seed, *, hidden=HIDDEN, out=FFN, stride=1, skip_bias_add=False, fusion=False
+):
     torch.manual_seed(seed)
     return TemporalColumnParallelLinear(
-        HIDDEN,
+        hidden,
         out,
         config=_config(group.size(), fusion),
         init_method=_init(),
@@ -123,11 +125,11 @@ def _column(group, mode, seed, *, out=FFN, stride=1, skip_bias_add=False, fusion
     )
 
 
-def _row(group, mode, seed, *, inp=FFN, skip_bias_add=False, fusion=False):
+def _row(group, mode, seed, *, inp=FFN, hidden=HIDDEN, skip_bias_add=False, fusion=False):
     torch.manual_seed(seed)
     return TemporalRowParallelLinear(
         inp,
-        HIDDEN,
+        hidden,
         config=_config(group.size(), fusion),
         init_method=_init(),
         bias=True,
@@ -467,21 +469,9 @@ def check_errors(group) -> None:
     q = math.isqrt(size)
     if q > 1 and q * q == size:  # Cannon's blocks cut the unsharded dim by q as well
         with pytest.raises(ConfigError, match=f"input_size=17 must be divisible by {q}"):
-            TemporalColumnParallelLinear(
-                17, FFN, config=_config(size), init_method=_init(), tp_group=group, tp_mode="cannon"
-            )
+            _column(group, "cannon", 5, hidden=17)
         with pytest.raises(ConfigError, match=f"output_size=17 must be divisible by {q}"):
-            TemporalRowParallelLinear(
-                FFN,
-                17,
-                config=_config(size),
-                init_method=_init(),
-                bias=True,
-                input_is_parallel=True,
-                skip_bias_add=False,
-                tp_group=group,
-                tp_mode="cannon",
-            )
+            _row(group, "cannon", 5, hidden=17)
     other = dist.new_group(list(range(dist.get_world_size())))  # collective: every rank
     with pytest.raises(ConfigError, match="one TP group"):
         _column(group, "ring", 5).defer_weight_grad_of(_row(other, "ring", 5))
