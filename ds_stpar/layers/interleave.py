@@ -261,14 +261,17 @@ def _say_once(
     layer: InterleavedTransformerLayer, hidden: Tensor, args: tuple, kwargs: dict
 ) -> None:
     """Log on global rank 0, once per reason, that an interleaved layer ran Megatron's forward
-    and why: the layout asked for pieces, and the step runs without their overlap."""
+    and why: the layout asked for pieces, and the step runs without their overlap. The other
+    ranks return at once (no reason is worked out there)."""
+    if torch.distributed.is_initialized() and torch.distributed.get_rank():
+        return
     if args:
         reason = "positional arguments after the hidden states"
     else:
         reason = layer.whole_because(kwargs) or (
             f"a micro-batch of {hidden.shape[1]} rows makes no {layer.pieces} pieces"
         )
-    if reason in _SAID or (torch.distributed.is_initialized() and torch.distributed.get_rank()):
+    if reason in _SAID:
         return
     _SAID.add(reason)
     logging.getLogger(__name__).warning(
